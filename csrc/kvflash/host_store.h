@@ -1,0 +1,74 @@
+// Host-side backing store for paged-out chunks.
+//
+// A slab of equal-sized chunk buffers carved out of a few large regions: the
+// store grows by whole regions (each at least as large as everything before it),
+// never per chunk, and freed buffers are reused.  Two backings:
+//   - RAM: plain aligned memory, or pinned memory when an allocator hook is set
+//     (the CUDA build installs cudaHostAlloc/cudaFreeHost so async copies work);
+//   - FILE: a memory-mapped file, so a machine can hold a context larger than RAM.
+// Buffer addresses are stable for the store's lifetime (regions never move).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvflash {
+
+struct HostAllocator {
+    void *(*alloc)(size_t bytes) = nullptr;  // nullptr: aligned operator new
+    void (*free)(void *ptr) = nullptr;
+};
+
+class HostStore {
+public:
+    enum class Backing { RAM, FILE };
+
+    // chunk_bytes > 0.  path: file to create for Backing::FILE (truncated; removed on
+    // destruction), ignored for RAM.  first_region_chunks: buffers in the first region.
+    HostStore(size_t chunk_bytes, Backing backing = Backing::RAM, std::string path = "",
+              int32_t first_region_chunks = 16, HostAllocator allocator = {});
+    ~HostStore();
+    HostStore(const HostStore &) = delete;
+    HostStore &operator=(const HostStore &) = delete;
+
+    // A free buffer index, growing the slab by one region if none is free.
+    // Throws std::bad_alloc / std::runtime_error when the OS refuses memory.
+    int32_t acquire();
+    // h was returned by acquire() and not yet released.
+    void release(int32_t h);
+    // Release everything; regions are kept for reuse.
+    void clear();
+
+    uint8_t *ptr(int32_t h);
+    const uint8_t *ptr(int32_t h) const;
+
+    size_t chunk_bytes() const { return chunk_bytes_; }
+    int32_t capacity() const { return capacity_; }       // buffers allocated
+    int32_t in_use() const { return in_use_; }           // buffers acquired
+    size_t reserved_bytes() const { return size_t(capacity_) * chunk_bytes_; }
+    size_t used_bytes() const { return size_t(in_use_) * chunk_bytes_; }
+    int32_t n_regions() const { return int32_t(regions_.size()); }
+    Backing backing() const { return backing_; }
+    bool is_acquired(int32_t h) const { return h >= 0 && h < capacity_ && acquired_[h]; }
+
+private:
+    struct Region { uint8_t *base; int32_t first; int32_t count; size_t bytes; };
+    void grow();
+
+    size_t chunk_bytes_;
+    Backing backing_;
+    std::string path_;
+    int fd_ = -1;
+    size_t file_bytes_ = 0;
+    int32_t next_region_chunks_;
+    HostAllocator allocator_;
+    std::vector<Region> regions_;
+    std::vector<int32_t> free_;       // stack of free buffer indices
+    std::vector<uint8_t> acquired_;   // per buffer: 1 if handed out
+    int32_t capacity_ = 0;
+    int32_t in_use_ = 0;
+};
+
+}  // namespace kvflash

@@ -1,0 +1,87 @@
+#include "kvflash/pool.h"
+
+#include <stdexcept>
+
+namespace kvflash {
+
+ggml_type kv_type_from_name(const std::string &name) {
+    if (name == "f16") return GGML_TYPE_F16;
+    if (name == "q8_0") return GGML_TYPE_Q8_0;
+    if (name == "q4_0") return GGML_TYPE_Q4_0;
+    if (name == "f32") return GGML_TYPE_F32;
+    throw std::invalid_argument("unknown KV type '" + name + "': use one of f16, q8_0, q4_0, f32");
+}
+
+KVPool::KVPool(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
+               int32_t pool_tokens, int32_t chunk_tokens)
+    : backend_(backend), layers_(std::move(layers)), pool_tokens_(pool_tokens), chunk_tokens_(chunk_tokens) {
+    if (!backend_) throw std::invalid_argument("pool: no backend");
+    if (layers_.empty()) throw std::invalid_argument("pool: at least one paged layer is required");
+    if (pool_tokens_ <= 0 || chunk_tokens_ <= 0 || pool_tokens_ % chunk_tokens_ != 0)
+        throw std::invalid_argument("pool: pool_tokens must be a positive multiple of chunk_tokens");
+    for (const auto &l : layers_) {
+        if (l.n_embd_k <= 0 || l.n_embd_v <= 0)
+            throw std::invalid_argument("pool: layer " + std::to_string(l.layer) + " has a non-positive row width");
+        if (l.n_embd_k % ggml_blck_size(type_k) != 0 || l.n_embd_v % ggml_blck_size(type_v) != 0)
+            throw std::invalid_argument("pool: layer " + std::to_string(l.layer) + " row width " +
+                                        std::to_string(l.n_embd_k) + " is not a multiple of the " +
+                                        ggml_type_name(type_k) + " block size " + std::to_string(ggml_blck_size(type_k)));
+    }
+    ggml_init_params ip{ggml_tensor_overhead() * (2 * layers_.size() + 1), nullptr, true};
+    ctx_ = ggml_init(ip);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        ggml_tensor *k = ggml_new_tensor_2d(ctx_, type_k, layers_[i].n_embd_k, pool_tokens_);
+        ggml_tensor *v = ggml_new_tensor_2d(ctx_, type_v, layers_[i].n_embd_v, pool_tokens_);
+        ggml_format_name(k, "pool_k_l%d", layers_[i].layer);
+        ggml_format_name(v, "pool_v_l%d", layers_[i].layer);
+        k_.push_back(k);
+        v_.push_back(v);
+        chunk_bytes_ += size_t(chunk_tokens_) * (k->nb[1] + v->nb[1]);
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, backend_);
+    if (!buf_) {
+        ggml_free(ctx_);
+        throw std::runtime_error("pool: cannot allocate the KV pool on the device (" + std::to_string(pool_tokens_) +
+                                 " tokens); use a smaller pool");
+    }
+    ggml_backend_buffer_clear(buf_, 0);
+}
+
+KVPool::~KVPool() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+}
+
+size_t KVPool::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+
+bool KVPool::host_accessible() const { return ggml_backend_buffer_is_host(buf_); }
+
+void KVPool::page_out(int32_t block, uint8_t *dst) {
+    // precondition: 0 <= block < pool_tokens / chunk_tokens
+    for (size_t i = 0; i < k_.size(); ++i) {
+        const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
+        ggml_backend_tensor_get(k_[i], dst, size_t(block) * nk, nk);
+        dst += nk;
+        ggml_backend_tensor_get(v_[i], dst, size_t(block) * nv, nv);
+        dst += nv;
+    }
+}
+
+void KVPool::page_in(int32_t block, const uint8_t *src) {
+    for (size_t i = 0; i < k_.size(); ++i) {
+        const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
+        ggml_backend_tensor_set(k_[i], src, size_t(block) * nk, nk);
+        src += nk;
+        ggml_backend_tensor_set(v_[i], src, size_t(block) * nv, nv);
+        src += nv;
+    }
+}
+
+PagedCache::PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k,
+                       ggml_type type_v, PagerConfig cfg, HostStore::Backing backing, std::string host_path) {
+    cfg.validate();  // rounds the pool before the tensors are sized
+    pool = std::make_unique<KVPool>(backend, std::move(layers), type_k, type_v, cfg.pool_tokens, cfg.chunk_tokens);
+    pager = std::make_unique<Pager>(cfg, pool.get(), backing, std::move(host_path));
+}
+
+}  // namespace kvflash

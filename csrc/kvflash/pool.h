@@ -1,0 +1,71 @@
+// The device KV pool: per paged layer, K and V tensors of pool_tokens rows,
+// allocated in one ggml backend buffer at pool size (never at max context: the
+// allocation delta is the saving).  It implements ChunkMover: a chunk is
+// chunk_tokens consecutive rows, so paging one is one contiguous copy per layer
+// and K/V, moving raw (possibly quantized) bytes: bit-exact both ways.
+//
+// Host layout of one chunk: for each layer il, K rows then V rows,
+//   [il][K: chunk_tokens * row_bytes_k(il)][V: chunk_tokens * row_bytes_v(il)].
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "kvflash/pager.h"
+
+namespace kvflash {
+
+struct PoolLayerSpec {
+    int32_t layer;       // model layer index (for naming; the pool is indexed 0..n-1)
+    int32_t n_embd_k;    // head_dim_k * n_head_kv
+    int32_t n_embd_v;
+};
+
+// Parse "f16" / "q8_0" / "q4_0" / "f32" (the KV types we page); throws invalid_argument.
+ggml_type kv_type_from_name(const std::string &name);
+
+class KVPool : public ChunkMover {
+public:
+    // backend: where the pool lives (CPU or CUDA); must outlive the pool.
+    KVPool(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
+           int32_t pool_tokens, int32_t chunk_tokens);
+    ~KVPool() override;
+    KVPool(const KVPool &) = delete;
+    KVPool &operator=(const KVPool &) = delete;
+
+    int32_t n_layers() const { return int32_t(layers_.size()); }
+    const PoolLayerSpec &layer(int32_t i) const { return layers_[i]; }
+    // k: [n_embd_k, pool_tokens], v: [n_embd_v, pool_tokens]
+    ggml_tensor *k(int32_t i) const { return k_[i]; }
+    ggml_tensor *v(int32_t i) const { return v_[i]; }
+    int32_t pool_tokens() const { return pool_tokens_; }
+    size_t bytes() const;                 // the pool's device bytes
+    bool host_accessible() const;         // tensor data can be read through ->data
+
+    size_t chunk_bytes() const override { return chunk_bytes_; }
+    void page_out(int32_t block, uint8_t *dst) override;
+    void page_in(int32_t block, const uint8_t *src) override;
+
+private:
+    ggml_backend_t backend_;
+    std::vector<PoolLayerSpec> layers_;
+    int32_t pool_tokens_, chunk_tokens_;
+    size_t chunk_bytes_ = 0;
+    ggml_context *ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_tensor *> k_, v_;
+};
+
+// A pool and its pager, the unit a model (or a test) owns.
+struct PagedCache {
+    PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
+               PagerConfig cfg, HostStore::Backing backing = HostStore::Backing::RAM, std::string host_path = "");
+    std::unique_ptr<KVPool> pool;
+    std::unique_ptr<Pager> pager;
+};
+
+}  // namespace kvflash
