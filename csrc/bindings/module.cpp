@@ -9,7 +9,9 @@
 #include <stdexcept>
 
 #include "ggml-cpu.h"
+#include "kvflash/model.h"
 #include "kvflash/pool.h"
+#include "kvflash/sampling.h"
 
 namespace py = pybind11;
 using namespace kvflash;
@@ -64,6 +66,23 @@ struct PyPager {
     Pager &pg() { return *cache->pager; }
 };
 
+// A Model and one Runtime over it (a session's native state).
+struct PyRuntime {
+    std::shared_ptr<Model> model;
+    std::unique_ptr<Runtime> rt;
+    Sampler sampler;
+    std::vector<float> logits;
+};
+
+// The Python Pager: either a standalone pool (owns a PyPager) or a view of a
+// runtime's pager (keeps the runtime alive).  One binding serves both.
+struct PagerRef {
+    std::shared_ptr<void> owner;
+    Pager *p = nullptr;
+    KVPool *pool = nullptr;
+    Pager &pg() { return *p; }
+};
+
 void check_chunk(const Pager &p, int64_t c) {
     if (c < 0 || c >= p.n_chunks())
         throw std::out_of_range("chunk " + std::to_string(c) + " outside [0, " + std::to_string(p.n_chunks()) + ")");
@@ -110,7 +129,7 @@ PYBIND11_MODULE(_core, m) {
         return c.min_pool_tokens();
     }, py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4);
 
-    py::class_<PyPager>(m, "Pager", R"doc(
+    py::class_<PagerRef>(m, "Pager", R"doc(
 Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
 
 Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
@@ -121,29 +140,34 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                          int32_t tail_window_chunks, const std::string &host, py::object host_path) {
                  std::vector<int32_t> ids;
                  if (!layer_ids.is_none()) ids = layer_ids.cast<std::vector<int32_t>>();
-                 return std::make_unique<PyPager>(pool_tokens, max_ctx, n_layers, n_embd_k,
+                 auto own = std::make_shared<PyPager>(pool_tokens, max_ctx, n_layers, n_embd_k,
                                                   n_embd_v.is_none() ? n_embd_k : n_embd_v.cast<int32_t>(), kv_type, ids,
                                                   chunk_tokens, sink_chunks, tail_window_chunks, host,
                                                   host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>());
+                 auto ref = std::make_unique<PagerRef>();
+                 ref->p = own->cache->pager.get();
+                 ref->pool = own->cache->pool.get();
+                 ref->owner = own;
+                 return ref;
              }),
              py::kw_only(), py::arg("pool_tokens"), py::arg("max_ctx"), py::arg("n_layers") = 1, py::arg("n_embd_k") = 64,
              py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
              py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
              py::arg("host") = "ram", py::arg("host_path") = py::none())
-        .def_property_readonly("pool_tokens", [](PyPager &s) { return s.pg().config().pool_tokens; })
-        .def_property_readonly("chunk_tokens", [](PyPager &s) { return s.pg().config().chunk_tokens; })
-        .def_property_readonly("max_ctx", [](PyPager &s) { return s.pg().config().max_ctx; })
-        .def_property_readonly("sink_chunks", [](PyPager &s) { return s.pg().config().sink_chunks; })
-        .def_property_readonly("tail_window_chunks", [](PyPager &s) { return s.pg().config().tail_window_chunks; })
-        .def_property_readonly("n_blocks", [](PyPager &s) { return s.pg().n_blocks(); })
-        .def_property_readonly("n_chunks", [](PyPager &s) { return s.pg().n_chunks(); })
-        .def_property_readonly("n_layers", [](PyPager &s) { return s.cache->pool->n_layers(); })
-        .def_property_readonly("chunk_bytes", [](PyPager &s) { return s.cache->pool->chunk_bytes(); })
-        .def_property_readonly("pool_bytes", [](PyPager &s) { return s.cache->pool->bytes(); })
-        .def_property_readonly("head_chunk", [](PyPager &s) { return s.pg().head_chunk(); })
-        .def_property_readonly("epoch", [](PyPager &s) { return s.pg().epoch(); })
-        .def_property_readonly("stats", [](PyPager &s) { return stats_dict(s.pg(), s.cache->pool->bytes()); })
-        .def("alloc_span", [](PyPager &s, int64_t pos0, int64_t n) -> py::object {
+        .def_property_readonly("pool_tokens", [](PagerRef &s) { return s.pg().config().pool_tokens; })
+        .def_property_readonly("chunk_tokens", [](PagerRef &s) { return s.pg().config().chunk_tokens; })
+        .def_property_readonly("max_ctx", [](PagerRef &s) { return s.pg().config().max_ctx; })
+        .def_property_readonly("sink_chunks", [](PagerRef &s) { return s.pg().config().sink_chunks; })
+        .def_property_readonly("tail_window_chunks", [](PagerRef &s) { return s.pg().config().tail_window_chunks; })
+        .def_property_readonly("n_blocks", [](PagerRef &s) { return s.pg().n_blocks(); })
+        .def_property_readonly("n_chunks", [](PagerRef &s) { return s.pg().n_chunks(); })
+        .def_property_readonly("n_layers", [](PagerRef &s) { return s.pool->n_layers(); })
+        .def_property_readonly("chunk_bytes", [](PagerRef &s) { return s.pool->chunk_bytes(); })
+        .def_property_readonly("pool_bytes", [](PagerRef &s) { return s.pool->bytes(); })
+        .def_property_readonly("head_chunk", [](PagerRef &s) { return s.pg().head_chunk(); })
+        .def_property_readonly("epoch", [](PagerRef &s) { return s.pg().epoch(); })
+        .def_property_readonly("stats", [](PagerRef &s) { return stats_dict(s.pg(), s.pool->bytes()); })
+        .def("alloc_span", [](PagerRef &s, int64_t pos0, int64_t n) -> py::object {
                  if (n <= 0) throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
                  if (pos0 < 0) throw std::out_of_range("pos0 must be >= 0, got " + std::to_string(pos0));
                  if (pos0 + n > s.pg().config().max_ctx)
@@ -154,7 +178,7 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  return out;
              }, py::arg("pos0"), py::arg("n"),
              "Slots for positions [pos0, pos0+n) (int32 array), evicting/recalling as needed; None if no room.")
-        .def("slot_for", [](PyPager &s, int64_t pos) -> py::object {
+        .def("slot_for", [](PagerRef &s, int64_t pos) -> py::object {
                  if (pos < 0 || pos >= s.pg().config().max_ctx)
                      throw std::out_of_range("pos " + std::to_string(pos) + " outside [0, max_ctx=" +
                                              std::to_string(s.pg().config().max_ctx) + ")");
@@ -162,25 +186,25 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  if (s.pg().alloc_span(pos, 1, &slot) == AllocResult::NO_ROOM) return py::none();
                  return py::int_(slot);
              }, py::arg("pos"))
-        .def("slot_of", [](PyPager &s, int64_t pos) { return s.pg().slot_of(pos); }, py::arg("pos"),
+        .def("slot_of", [](PagerRef &s, int64_t pos) { return s.pg().slot_of(pos); }, py::arg("pos"),
              "Slot of a written, resident position, or -1.")
-        .def("evict", [](PyPager &s, int64_t c) { check_chunk(s.pg(), c); s.pg().evict(int32_t(c)); }, py::arg("chunk"))
-        .def("recall", [](PyPager &s, int64_t c) {
+        .def("evict", [](PagerRef &s, int64_t c) { check_chunk(s.pg(), c); s.pg().evict(int32_t(c)); }, py::arg("chunk"))
+        .def("recall", [](PagerRef &s, int64_t c) {
                  check_chunk(s.pg(), c);
                  return s.pg().recall(int32_t(c)) == AllocResult::OK;
              }, py::arg("chunk"), "Bring a paged-out chunk back; False if no block can be freed.")
-        .def("set_scores", [](PyPager &s, py::array scores) {
+        .def("set_scores", [](PagerRef &s, py::array scores) {
                  auto a = as_scores(s.pg(), scores);
                  s.pg().set_scores(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"))
-        .def("clear_scores", [](PyPager &s) { s.pg().clear_scores(); })
-        .def("reselect", [](PyPager &s, py::array scores) {
+        .def("clear_scores", [](PagerRef &s) { s.pg().clear_scores(); })
+        .def("reselect", [](PagerRef &s, py::array scores) {
                  auto a = as_scores(s.pg(), scores);
                  return s.pg().reselect(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"), "Repage to the top-scoring chunks; returns chunks moved.")
-        .def("truncate", [](PyPager &s, int64_t n_past) { s.pg().truncate(n_past); }, py::arg("n_past"))
-        .def("reset", [](PyPager &s) { s.pg().reset(); })
-        .def("mask", [](PyPager &s, py::object q_positions, py::object n_kv, int32_t window) {
+        .def("truncate", [](PagerRef &s, int64_t n_past) { s.pg().truncate(n_past); }, py::arg("n_past"))
+        .def("reset", [](PagerRef &s) { s.pg().reset(); })
+        .def("mask", [](PagerRef &s, py::object q_positions, py::object n_kv, int32_t window) {
                  auto q = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(q_positions);
                  if (!q || q.ndim() != 1) throw std::invalid_argument("q_positions must be a 1-D array of positions");
                  for (py::ssize_t i = 0; i < q.shape(0); ++i)
@@ -194,11 +218,11 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  return out.attr("view")("float16");
              }, py::arg("q_positions"), py::arg("n_kv") = py::none(), py::arg("window") = 0,
              "F16 mask [n_q, n_kv]: 0 where the slot holds a visible position, -inf elsewhere.")
-        .def("slot_positions", [](PyPager &s) {
+        .def("slot_positions", [](PagerRef &s) {
                  const auto &v = s.pg().slot_positions();
                  return py::array_t<int64_t>(py::ssize_t(v.size()), v.data());
              })
-        .def("chunk_table", [](PyPager &s) {
+        .def("chunk_table", [](PagerRef &s) {
                  Pager &p = s.pg();
                  const int32_t n = p.n_chunks();
                  py::array_t<int32_t> block(n), host(n);
@@ -214,37 +238,177 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  d["block"] = block; d["host"] = host; d["dirty"] = dirty; d["protected"] = prot; d["materialised"] = mat;
                  return d;
              }, "Per-chunk arrays: block (-1 not resident), host (-1 none), dirty, protected, materialised.")
-        .def("scores", [](PyPager &s) -> py::object {
+        .def("scores", [](PagerRef &s) -> py::object {
                  if (!s.pg().has_scores()) return py::none();
                  const auto &v = s.pg().scores();
                  return py::array_t<float>(py::ssize_t(v.size()), v.data());
              })
-        .def("check_invariants", [](PyPager &s) {
+        .def("check_invariants", [](PagerRef &s) {
                  try { s.pg().check_invariants(); }
                  catch (const std::logic_error &e) { throw py::value_error(e.what()); }
              }, "Raise ValueError describing the first broken invariant.")
-        .def("dump", [](PyPager &s) { return s.pg().dump(); })
+        .def("dump", [](PagerRef &s) { return s.pg().dump(); })
         .def("k_rows", [](py::object self, int32_t layer) {
-                 PyPager &s = self.cast<PyPager &>();
-                 if (layer < 0 || layer >= s.cache->pool->n_layers())
+                 PagerRef &s = self.cast<PagerRef &>();
+                 if (layer < 0 || layer >= s.pool->n_layers())
                      throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " +
-                                             std::to_string(s.cache->pool->n_layers()) + ")");
-                 ggml_tensor *t = s.cache->pool->k(layer);
+                                             std::to_string(s.pool->n_layers()) + ")");
+                 if (!s.pool->host_accessible()) throw std::invalid_argument("the pool is not in host memory");
+                 ggml_tensor *t = s.pool->k(layer);
                  return py::array_t<uint8_t>({t->ne[1], int64_t(t->nb[1])}, {int64_t(t->nb[1]), int64_t(1)},
                                              static_cast<uint8_t *>(t->data), self);
              }, py::arg("layer"), "Writable uint8 view [pool_tokens, row_bytes] of layer's K rows.")
         .def("v_rows", [](py::object self, int32_t layer) {
-                 PyPager &s = self.cast<PyPager &>();
-                 if (layer < 0 || layer >= s.cache->pool->n_layers())
+                 PagerRef &s = self.cast<PagerRef &>();
+                 if (layer < 0 || layer >= s.pool->n_layers())
                      throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " +
-                                             std::to_string(s.cache->pool->n_layers()) + ")");
-                 ggml_tensor *t = s.cache->pool->v(layer);
+                                             std::to_string(s.pool->n_layers()) + ")");
+                 if (!s.pool->host_accessible()) throw std::invalid_argument("the pool is not in host memory");
+                 ggml_tensor *t = s.pool->v(layer);
                  return py::array_t<uint8_t>({t->ne[1], int64_t(t->nb[1])}, {int64_t(t->nb[1]), int64_t(1)},
                                              static_cast<uint8_t *>(t->data), self);
              }, py::arg("layer"), "Writable uint8 view [pool_tokens, row_bytes] of layer's V rows.")
-        .def("__repr__", [](PyPager &s) {
+        .def("__repr__", [](PagerRef &s) {
                  const auto &c = s.pg().config();
                  return "<kvflash.Pager pool_tokens=" + std::to_string(c.pool_tokens) + " max_ctx=" +
                         std::to_string(c.max_ctx) + " chunk_tokens=" + std::to_string(c.chunk_tokens) + ">";
              });
+
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model", "GGUF weights and hyper-parameters (immutable, shareable).")
+        .def(py::init([](py::object path, int32_t n_threads) {
+                 if (n_threads < 0) throw std::invalid_argument("n_threads must be >= 0 (0: all cores)");
+                 std::string p = py::str(path).cast<std::string>();
+                 py::gil_scoped_release nogil;
+                 return Model::load(p, n_threads);
+             }), py::arg("path"), py::arg("n_threads") = 0)
+        .def_property_readonly("path", &Model::path)
+        .def_property_readonly("weight_bytes", &Model::weight_bytes)
+        .def_property("n_threads", &Model::n_threads, [](Model &m, int32_t n) {
+            if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
+            m.set_n_threads(n);
+        })
+        .def_property_readonly("global_layers", &Model::global_layers)
+        .def_property_readonly("hparams", [](const Model &m) {
+            const Hparams &h = m.hparams();
+            py::dict d;
+            d["arch"] = arch_name(h.arch);
+            d["n_layer"] = h.n_layer; d["n_embd"] = h.n_embd; d["n_ff"] = h.n_ff;
+            d["n_head"] = h.n_head; d["n_head_kv"] = h.n_head_kv; d["head_dim"] = h.head_dim_k;
+            d["n_vocab"] = h.n_vocab; d["n_ctx_train"] = h.n_ctx_train; d["rms_eps"] = h.rms_eps;
+            d["rope_base"] = h.rope_base; d["rope_base_swa"] = h.rope_base_swa; d["rope_mode"] = h.rope_mode;
+            d["n_swa"] = h.n_swa; d["attn_scale"] = h.attn_scale;
+            std::vector<bool> swa(h.is_swa.begin(), h.is_swa.end());
+            d["is_swa"] = swa;
+            return d;
+        });
+
+    py::class_<PyRuntime, std::shared_ptr<PyRuntime>>(m, "Runtime", R"doc(
+Per-session native state over a Model: the paged KV pool (kvflash) or a full
+cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
+)doc")
+        .def(py::init([](std::shared_ptr<Model> model, int64_t max_ctx, int32_t pool_tokens, const std::string &kv_type,
+                         int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
+                         const std::string &host, py::object host_path, uint64_t seed) {
+                 if (!model) throw std::invalid_argument("model is required");
+                 if (max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0, got " + std::to_string(max_ctx));
+                 if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
+                 if (ubatch <= 0) throw std::invalid_argument("ubatch must be >= 1");
+                 RuntimeConfig c;
+                 c.max_ctx = max_ctx; c.pool_tokens = pool_tokens; c.kv_type = kv_type; c.chunk_tokens = chunk_tokens;
+                 c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks; c.ubatch = ubatch;
+                 c.host = host == "mmap" ? "file" : host;
+                 c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
+                 if (c.host == "file" && c.host_path.empty()) throw std::invalid_argument("host='file' needs host_path=");
+                 auto r = std::make_shared<PyRuntime>();
+                 r->model = model;
+                 r->rt = std::make_unique<Runtime>(model, c);
+                 r->sampler.seed(seed);
+                 return r;
+             }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
+             py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
+             py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
+             py::arg("host_path") = py::none(), py::arg("seed") = 0)
+        .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
+        .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
+        .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })
+        .def_property_readonly("pool_tokens", [](PyRuntime &r) { return r.rt->pool().pool_tokens(); })
+        .def_property_readonly("pool_bytes", [](PyRuntime &r) { return r.rt->pool().bytes(); })
+        .def_property_readonly("swa_bytes", [](PyRuntime &r) { return r.rt->swa_bytes(); })
+        .def_property_readonly("n_vocab", [](PyRuntime &r) { return r.model->hparams().n_vocab; })
+        .def_property_readonly("model", [](PyRuntime &r) { return r.model; })
+        .def_property_readonly("pager", [](std::shared_ptr<PyRuntime> r) {
+            PagerRef ref;
+            ref.owner = r;
+            ref.p = &r->rt->pager();
+            ref.pool = &r->rt->pool();
+            return ref;
+        })
+        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits) {
+                 auto t = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
+                 if (!t || t.ndim() != 1 || t.shape(0) == 0)
+                     throw std::invalid_argument("tokens must be a non-empty 1-D array of token ids");
+                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(n), py::ssize_t(V)})
+                                                     : py::array_t<float>(py::ssize_t(V));
+                 float *o = out.mutable_data();
+                 const int32_t *tp = t.data();
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->eval(tp, n, all_logits, o);
+                 }
+                 return out;
+             }, py::arg("tokens"), py::arg("all_logits") = false,
+             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].")
+        .def("eval_sample", [](PyRuntime &r, py::array tokens, float temperature, int32_t top_k, float top_p, float min_p) {
+                 auto t = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
+                 if (!t || t.ndim() != 1 || t.shape(0) == 0)
+                     throw std::invalid_argument("tokens must be a non-empty 1-D array of token ids");
+                 if (!(temperature >= 0.f)) throw std::invalid_argument("temperature must be >= 0");
+                 if (!(top_p > 0.f && top_p <= 1.f)) throw std::invalid_argument("top_p must be in (0, 1]");
+                 if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1)");
+                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 r.logits.resize(V);
+                 SamplerParams sp{temperature, top_k, top_p, min_p};
+                 const int32_t *tp = t.data();
+                 int32_t tok;
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->eval(tp, n, false, r.logits.data());
+                     tok = r.sampler.sample(r.logits.data(), V, sp);
+                 }
+                 return tok;
+             }, py::arg("tokens"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, "Append tokens and sample the next token id from the last logits.")
+        .def("sample", [](PyRuntime &r, py::array logits, float temperature, int32_t top_k, float top_p, float min_p) {
+                 auto l = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(logits);
+                 const int32_t V = r.model->hparams().n_vocab;
+                 if (!l || l.ndim() != 1 || l.shape(0) != V)
+                     throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
+                 if (!(temperature >= 0.f)) throw std::invalid_argument("temperature must be >= 0");
+                 if (!(top_p > 0.f && top_p <= 1.f)) throw std::invalid_argument("top_p must be in (0, 1]");
+                 if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1)");
+                 return r.sampler.sample(l.data(), V, SamplerParams{temperature, top_k, top_p, min_p});
+             }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
+        .def("last_logits", [](PyRuntime &r) {
+                 return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
+             })
+        .def("seed", [](PyRuntime &r, uint64_t s) { r.sampler.seed(s); }, py::arg("seed"))
+        .def("truncate", [](PyRuntime &r, int64_t n) { r.rt->truncate(n); }, py::arg("n_past"))
+        .def("reset", [](PyRuntime &r) { r.rt->reset(); })
+        .def("chunk_keys", [](PyRuntime &r, int32_t c, int32_t layer) {
+                 if (c < 0 || c >= r.rt->pager().n_chunks()) throw std::out_of_range("chunk out of range");
+                 const int32_t C = r.rt->config().chunk_tokens, E = r.model->hparams().n_embd_k();
+                 py::array_t<float> out({py::ssize_t(C), py::ssize_t(E)});
+                 r.rt->chunk_keys(c, layer, out.mutable_data());
+                 return out;
+             }, py::arg("chunk"), py::arg("paged_layer"),
+             "Post-RoPE keys of a resident chunk for one paged layer, f32 [chunk_tokens, n_embd_k].")
+        .def_property_readonly("timings", [](PyRuntime &r) {
+            const RuntimeStats &s = r.rt->stats();
+            py::dict d;
+            d["eval_calls"] = s.n_eval_calls; d["tokens"] = s.n_tokens_evaluated;
+            d["graph_ms"] = s.t_graph_ms; d["compute_ms"] = s.t_compute_ms; d["mask_ms"] = s.t_mask_ms;
+            return d;
+        });
 }

@@ -342,6 +342,12 @@ void Pager::fill_mask(const int64_t *q_pos, int32_t n_q, uint16_t *out, int32_t 
     }
 }
 
+int32_t Pager::used_extent() const {
+    for (int32_t b = n_blocks_ - 1; b >= 0; --b)
+        if (chunk_of_[b] >= 0) return (b + 1) * cfg_.chunk_tokens;
+    return 0;
+}
+
 PagerStats Pager::stats() const {
     PagerStats s = stats_;
     s.n_blocks = n_blocks_;

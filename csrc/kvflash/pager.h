@@ -118,6 +118,9 @@ public:
     void fill_mask(const int64_t *q_pos, int32_t n_q, uint16_t *out, int32_t n_kv,
                    int32_t window = 0) const;
 
+    // Slots [0, used_extent()) cover every occupied block: attention need not look past it.
+    int32_t used_extent() const;
+
     // Slot -> position (-1: free or unwritten), pool_tokens entries.
     const std::vector<int64_t> &slot_positions() const { return slot_pos_; }
     int32_t block_of(int32_t c) const { return block_of_[c]; }

@@ -3,11 +3,20 @@
 The attention KV lives in a pool of slots allocated at pool size; cold 64-token
 chunks are paged to host memory bit-exact, and a relevance policy decides which
 chunks hold the slots.
+
+    import kvflash
+    s = kvflash.Session("smollm2-135m", max_ctx=8192, kvflash=1024, policy="lru")
+    for piece in s.chat([{"role": "user", "content": "What is the capital of France?"}]):
+        print(piece, end="")
 """
 from __future__ import annotations
 
-from ._core import Pager, ggml_commit, ggml_version, min_pool_tokens
+from ._core import Model, Pager, Runtime, ggml_commit, ggml_version, min_pool_tokens
+from .models import DEFAULT_MODEL, list_models, resolve_model
+from .policies import ChunkView, LRUPolicy, Policy
+from .session import Session
 
 __version__ = "0.1.0"
 
-__all__ = ["Pager", "min_pool_tokens", "ggml_version", "ggml_commit", "__version__"]
+__all__ = ["Session", "Pager", "Model", "Runtime", "Policy", "ChunkView", "LRUPolicy", "resolve_model",
+           "list_models", "DEFAULT_MODEL", "min_pool_tokens", "ggml_version", "ggml_commit", "__version__"]

@@ -1,0 +1,155 @@
+// GGUF models on ggml, decoding through the paged KV pool.
+//
+// Model:   weights and hyper-parameters read from a GGUF file (mmap on the CPU
+//          backend), every key and tensor shape validated before ggml sees it.
+//          Immutable once loaded; many runtimes may share one model.
+// Runtime: per-session state: the paged pool for globally attending layers, a
+//          ring of the window for sliding-window layers (gemma3), compute graphs,
+//          and the mask inputs.  Two cache modes over the same code: full cache
+//          (pool = max context, identity placement) and kvflash (pool < context).
+//
+// Shapes follow ggml order (innermost first): x: [n_embd, n_tokens].
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "gguf.h"
+#include "kvflash/pool.h"
+
+namespace kvflash {
+
+enum class Arch { LLAMA, QWEN2, QWEN3, GEMMA3 };
+const char *arch_name(Arch a);
+
+struct Hparams {
+    Arch arch = Arch::LLAMA;
+    int32_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_head_kv = 0;
+    int32_t head_dim_k = 0, head_dim_v = 0, n_rot = 0, n_vocab = 0;
+    int64_t n_ctx_train = 0;
+    float rms_eps = 1e-5f;
+    float rope_base = 10000.f, rope_scale = 1.f;      // global layers
+    float rope_base_swa = 10000.f, rope_scale_swa = 1.f;
+    int rope_mode = 0;                                // 0 normal (llama), 2 neox
+    int32_t n_swa = 0;                                // sliding window (0: none)
+    std::vector<uint8_t> is_swa;                      // per layer
+    float attn_scale = 0.f;                           // softmax scale
+    float final_softcap = 0.f;
+    int32_t n_embd_k() const { return head_dim_k * n_head_kv; }
+    int32_t n_embd_v() const { return head_dim_v * n_head_kv; }
+};
+
+struct LayerWeights {
+    ggml_tensor *attn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    ggml_tensor *bq = nullptr, *bk = nullptr, *bv = nullptr;
+    ggml_tensor *q_norm = nullptr, *k_norm = nullptr, *attn_post_norm = nullptr;
+    ggml_tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr;
+    ggml_tensor *ffn_post_norm = nullptr;
+};
+
+class Model {
+public:
+    // Throws std::invalid_argument naming the problem (not a GGUF, truncated,
+    // unsupported architecture, missing key or tensor, wrong shape).
+    static std::shared_ptr<Model> load(const std::string &path, int32_t n_threads = 0);
+    ~Model();
+    Model(const Model &) = delete;
+    Model &operator=(const Model &) = delete;
+
+    const Hparams &hparams() const { return hp_; }
+    const std::string &path() const { return path_; }
+    size_t weight_bytes() const { return weight_bytes_; }
+    ggml_backend_t backend() const { return backend_; }
+    void set_n_threads(int32_t n);
+    int32_t n_threads() const { return n_threads_; }
+    // Model layer indices whose attention is global (these are paged).
+    std::vector<int32_t> global_layers() const;
+
+    ggml_tensor *tok_embd = nullptr, *output_norm = nullptr, *output = nullptr;
+    std::vector<LayerWeights> layers;
+
+private:
+    Model() = default;
+    std::string path_;
+    Hparams hp_;
+    gguf_context *gguf_ = nullptr;
+    ggml_context *meta_ = nullptr;
+    ggml_backend_t backend_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    void *map_ = nullptr;
+    size_t map_bytes_ = 0, weight_bytes_ = 0;
+    int32_t n_threads_ = 1;
+};
+
+struct RuntimeConfig {
+    int64_t max_ctx = 4096;
+    int32_t pool_tokens = 0;          // 0: full cache (pool = max_ctx rounded up)
+    std::string kv_type = "q8_0";
+    int32_t chunk_tokens = 64, sink_chunks = 1, tail_window_chunks = 4;
+    int32_t ubatch = 512;             // prefill ubatch while the prompt fits the pool
+    std::string host = "ram";         // "ram" | "file"
+    std::string host_path;
+};
+
+struct RuntimeStats {
+    int64_t n_eval_calls = 0, n_tokens_evaluated = 0;
+    double t_graph_ms = 0, t_compute_ms = 0, t_mask_ms = 0;
+};
+
+class Runtime {
+public:
+    Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg);
+    ~Runtime();
+
+    // Evaluate tokens at positions [n_past, n_past + n) and append them to the
+    // cache.  logits_out: n_vocab floats (last token) or n * n_vocab (all_logits).
+    // Throws invalid_argument for bad tokens, out_of_range past max_ctx.
+    void eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    int64_t n_past() const { return n_past_; }
+    void truncate(int64_t n_past);
+    void reset();
+
+    const Model &model() const { return *model_; }
+    const RuntimeConfig &config() const { return cfg_; }
+    bool full_cache() const { return full_cache_; }
+    Pager &pager() { return *cache_->pager; }
+    const Pager &pager() const { return *cache_->pager; }
+    KVPool &pool() { return *cache_->pool; }
+    size_t swa_bytes() const;         // sliding-window ring bytes (not paged)
+    const RuntimeStats &stats() const { return stats_; }
+    // Post-RoPE keys of chunk c for paged layer index il, dequantized to f32:
+    // out [chunk_tokens][n_embd_k]; rows of unwritten positions are zero.
+    // Precondition: chunk resident.  (Used by the qk policy's chunk summaries.)
+    void chunk_keys(int32_t c, int32_t il, float *out) const;
+
+private:
+    struct Graph;
+    Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
+    void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
+    void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+
+    std::shared_ptr<Model> model_;
+    RuntimeConfig cfg_;
+    bool full_cache_ = false;
+    std::unique_ptr<PagedCache> cache_;
+    std::vector<int32_t> paged_index_;    // model layer -> pool layer (-1: sliding)
+    // sliding-window ring (gemma3): [n_embd_k, swa_tokens] per sliding layer
+    int32_t swa_tokens_ = 0;
+    ggml_context *swa_ctx_ = nullptr;
+    ggml_backend_buffer_t swa_buf_ = nullptr;
+    std::vector<ggml_tensor *> swa_k_, swa_v_;
+    std::vector<int64_t> swa_pos_;
+    std::unique_ptr<Graph> decode_graph_, batch_graph_;
+    std::vector<uint16_t> decode_mask_;
+    int64_t decode_mask_epoch_ = -1;
+    int64_t n_past_ = 0;
+    RuntimeStats stats_;
+};
+
+}  // namespace kvflash

@@ -1,0 +1,48 @@
+#include "kvflash/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvflash {
+
+int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {
+    if (p.temperature <= 0.f) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < n; ++i)
+            if (logits[i] > logits[best]) best = i;
+        return best;
+    }
+    cand_.resize(n);
+    for (int32_t i = 0; i < n; ++i) cand_[i] = {logits[i] / p.temperature, i};
+    int32_t k = (p.top_k > 0 && p.top_k < n) ? p.top_k : n;
+    auto by_logit = [](const std::pair<float, int32_t> &a, const std::pair<float, int32_t> &b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+    };
+    if (k < n) std::partial_sort(cand_.begin(), cand_.begin() + k, cand_.end(), by_logit);
+    else std::sort(cand_.begin(), cand_.end(), by_logit);
+    cand_.resize(k);
+    const float mx = cand_[0].first;
+    double sum = 0;
+    for (auto &c : cand_) { c.first = std::exp(c.first - mx); sum += c.first; }
+    // Nucleus: the smallest prefix whose mass reaches top_p; min_p relative to the top.
+    double acc = 0;
+    int32_t keep = 0;
+    for (auto &c : cand_) {
+        if (p.min_p > 0.f && c.first < p.min_p * cand_[0].first && keep > 0) break;
+        acc += c.first / sum;
+        ++keep;
+        if (acc >= p.top_p) break;
+    }
+    cand_.resize(keep);
+    double tot = 0;
+    for (auto &c : cand_) tot += c.first;
+    std::uniform_real_distribution<double> u(0.0, tot);
+    double r = u(rng_);
+    for (auto &c : cand_) {
+        r -= c.first;
+        if (r <= 0) return c.second;
+    }
+    return cand_.back().second;
+}
+
+}  // namespace kvflash

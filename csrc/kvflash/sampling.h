@@ -1,0 +1,30 @@
+// Token sampling over one row of logits: greedy, or temperature + top-k + top-p
+// with a seeded generator (same seed, same logits -> same token).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace kvflash {
+
+struct SamplerParams {
+    float temperature = 0.f;  // <= 0: greedy (argmax, lowest id on ties)
+    int32_t top_k = 0;        // <= 0: all
+    float top_p = 1.f;        // nucleus mass in (0, 1]
+    float min_p = 0.f;        // drop tokens below min_p * p(max)
+};
+
+class Sampler {
+public:
+    explicit Sampler(uint64_t seed = 0) : rng_(seed) {}
+    void seed(uint64_t s) { rng_.seed(s); }
+    // logits: n floats.  Preconditions: n > 0, params validated by the caller.
+    int32_t sample(const float *logits, int32_t n, const SamplerParams &p);
+
+private:
+    std::mt19937_64 rng_;
+    std::vector<std::pair<float, int32_t>> cand_;
+};
+
+}  // namespace kvflash

@@ -1,0 +1,443 @@
+"""kvflash.Session: a model, its paged KV pool, a tokenizer and a residency policy."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _core
+from .models import DEFAULT_MODEL, resolve_model
+from .policies import ChunkView, LRUPolicy, Policy, validate_scores
+from .tokenizer import StreamDecoder, Tokenizer
+
+AUTO_CAP_TOKENS = 16384
+DRAFTER_DIRS = ("drafter", "draft")
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyper-threads); ggml's CPU kernels scale with these."""
+    try:
+        cores = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return max(1, min(len(cores), os.cpu_count() or 1))
+    except OSError:
+        pass
+    return max(1, os.cpu_count() or 1)
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def kv_bytes_per_token(hp: dict, kv_type: str, n_paged_layers: int) -> float:
+    """Bytes of K+V per token across the paged layers, for a KV type."""
+    per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_type]
+    return 2 * hp["head_dim"] * hp["n_head_kv"] * per_elem * n_paged_layers
+
+
+def auto_pool(hp: dict, kv_type: str, n_paged_layers: int, weight_bytes: int, max_ctx: int,
+              expect_drafter: bool, *, free_bytes: Optional[int] = None,
+              cap_tokens: int = AUTO_CAP_TOKENS) -> tuple[int, str]:
+    """Pool size for kvflash="auto" and the reason, as the banner prints it.
+
+    CPU: a share of available RAM after the weights and a headroom (more when a
+    drafter is expected), halved, capped, rounded to 256, floor at the minimum
+    pool, never above max_ctx.
+    """
+    floor = _core.min_pool_tokens()
+    free = available_ram() if free_bytes is None else free_bytes
+    headroom = (1 << 30) + (768 << 20 if expect_drafter else 0)
+    budget = max(0, free - weight_bytes - headroom) // 2
+    per_tok = kv_bytes_per_token(hp, kv_type, n_paged_layers)
+    tokens = int(budget // per_tok) if per_tok > 0 else cap_tokens
+    why = f"{budget / 2**20:.0f} MiB budget (half of free RAM after weights and headroom)"
+    if tokens > cap_tokens:
+        tokens, why = cap_tokens, f"capped at {cap_tokens} ({why})"
+    tokens = tokens // 256 * 256
+    if tokens < floor:
+        tokens, why = floor, f"floor {floor} ({why})"
+    ctx_cap = (max_ctx + 255) // 256 * 256
+    if tokens > ctx_cap:
+        tokens, why = max(floor, ctx_cap), f"max_ctx {max_ctx} fits ({why})"
+    return tokens, why
+
+
+def find_drafter(model_path: Path) -> Optional[Path]:
+    """A drafter GGUF next to the model, or in drafter/ or draft/ beside it."""
+    here = model_path.parent
+    for d in DRAFTER_DIRS:
+        cand = sorted((here / d).glob("*.gguf")) if (here / d).is_dir() else []
+        if cand:
+            return cand[0]
+    return None
+
+
+class Session:
+    """One conversation's state over a GGUF model, with the KV cache in a paged pool.
+
+    >>> s = kvflash.Session("smollm2-135m", max_ctx=8192, kvflash=1024, policy="lru")
+    >>> print("".join(s.chat([{"role": "user", "content": "What is the capital of France?"}])))
+    """
+
+    def __init__(self, model: Union[str, os.PathLike] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
+                 kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "drafter",
+                 drafter: Union[str, os.PathLike, None] = None, tau: int = 64, kv_type: str = "q8_0",
+                 threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
+                 sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
+                 host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
+                 ubatch: int = 512, verbose: bool = True):
+        if kv_type not in ("f16", "q8_0", "q4_0"):
+            raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
+        if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
+            raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
+        self.model_path = resolve_model(model)
+        self.threads = threads or physical_cores()
+        self.model = _core.Model(str(self.model_path), self.threads)
+        hp = self.model.hparams
+        self.hparams = hp
+        if max_ctx is None:
+            max_ctx = int(hp["n_ctx_train"])
+        if not isinstance(max_ctx, int) or max_ctx < 1:
+            raise ValueError(f"max_ctx must be a positive integer, got {max_ctx!r}")
+        if max_ctx > hp["n_ctx_train"] and not allow_long_ctx:
+            raise ValueError(f"max_ctx {max_ctx} is above the {hp['n_ctx_train']} tokens this model was trained "
+                             f"for; lower it, or pass allow_long_ctx=True to run past the trained context")
+        self.max_ctx = max_ctx
+        self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        self.tau = tau
+        self.kv_type = kv_type
+
+        # Policy, with the drafter resolved (or the fallback decided) before sizing the pool.
+        self._policy_note = ""
+        self.policy = self._make_policy(policy, drafter)
+
+        n_paged = len(self.model.global_layers)
+        self.auto_reason = ""
+        if kvflash is None:
+            pool = 0
+        elif kvflash == "auto":
+            pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
+                                               expect_drafter=self.policy.name == "drafter")
+            if pool >= max_ctx:
+                pool = 0 if pool >= (max_ctx + 255) // 256 * 256 else pool
+        else:
+            floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
+            if kvflash < floor:
+                raise ValueError(f"kvflash pool of {kvflash} tokens is below the minimum {floor} "
+                                 f"((sink + tail + 2) chunks of {chunk_tokens}, rounded up to 256)")
+            pool = kvflash
+        self.runtime = _core.Runtime(self.model, max_ctx=max_ctx, pool_tokens=pool, kv_type=kv_type,
+                                     chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
+                                     tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
+                                     host_path=None if host_path is None else str(host_path),
+                                     seed=0 if seed is None else int(seed))
+        self.seed = seed
+        self.pager = self.runtime.pager
+        self.chunk_tokens = chunk_tokens
+        self.kvflash = pool > 0
+        self._tokens: list[int] = []
+        self._last_logits: Optional[np.ndarray] = None
+        self._since_rescore = 0
+        self._rescores = 0
+        self._rescore_s = 0.0
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
+        self._decoded = 0
+        if verbose:
+            print(self.banner, file=sys.stderr)
+
+    # ------------------------------------------------------------------ setup
+    def _make_policy(self, policy, drafter) -> Policy:
+        if isinstance(policy, str):
+            if policy == "lru":
+                return LRUPolicy()
+            if policy in ("drafter", "qk"):
+                try:
+                    from . import scoring  # the scored policies live beside their scorers
+                except ImportError:
+                    scoring = None
+                if policy == "qk":
+                    if scoring is None:
+                        raise ValueError("policy 'qk' is not available in this build yet; use 'lru'")
+                    return scoring.QKPolicy()
+                path = None
+                if drafter is not None:
+                    path = resolve_model(drafter)
+                else:
+                    path = find_drafter(self.model_path)
+                if path is None:
+                    self._policy_note = " (no drafter found next to the model: falling back to LRU)"
+                    return LRUPolicy()
+                if scoring is None:
+                    raise ValueError(f"drafter {path} found, but the drafter policy is not available in this "
+                                     f"build yet; use policy='lru'")
+                return scoring.DrafterPolicy(path, threads=self.threads)
+            raise ValueError(f"unknown policy {policy!r}: use 'drafter', 'lru', 'qk' or an object with "
+                             f"score(view)")
+        if not callable(getattr(policy, "score", None)):
+            raise ValueError(f"policy object {policy!r} has no score(view) method")
+        if not getattr(policy, "name", None):
+            raise ValueError("policy object needs a name attribute")
+        return policy
+
+    @property
+    def banner(self) -> str:
+        pool = self.runtime.pool_tokens if self.kvflash else self.runtime.pool_tokens
+        mode = "" if self.kvflash else " [full cache]"
+        line = (f"[kvflash] resident pool {pool} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
+                f"policy={self.policy.name}{self._policy_note}{mode}")
+        if self.auto_reason:
+            line += f"\n[kvflash] auto pool: {self.auto_reason}"
+        return line
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize expects str, got {type(text).__name__}")
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if i < 0 or i >= self.tokenizer.n_vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside [0, {self.tokenizer.n_vocab})")
+        return self.tokenizer.decode(ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token history held in the cache."""
+        return list(self._tokens)
+
+    @property
+    def n_past(self) -> int:
+        return self.runtime.n_past
+
+    # ------------------------------------------------------------------ evaluation
+    def _as_ids(self, text_or_ids, *, first: bool) -> list[int]:
+        if isinstance(text_or_ids, str):
+            return self.tokenize(text_or_ids, add_special=first, parse_special=True)
+        try:
+            ids = [int(t) for t in text_or_ids]
+        except TypeError:
+            raise TypeError("expected a string or a sequence of token ids") from None
+        bad = [i for i in ids if i < 0 or i >= self.hparams["n_vocab"]]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside [0, {self.hparams['n_vocab']})")
+        return ids
+
+    def prefill(self, text_or_ids: Union[str, Sequence[int]]) -> int:
+        """Append a prompt to the context; returns the number of tokens added."""
+        ids = self._as_ids(text_or_ids, first=not self._tokens)
+        if not ids:
+            return 0
+        if self.runtime.n_past + len(ids) > self.max_ctx:
+            raise ValueError(f"prompt of {len(ids)} tokens on top of {self.runtime.n_past} in context exceeds "
+                             f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
+        t0 = time.perf_counter()
+        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32))
+        self._prefill_s += time.perf_counter() - t0
+        self._tokens.extend(ids)
+        return len(ids)
+
+    def logits(self) -> np.ndarray:
+        """Logits after the last evaluated token (float32 [n_vocab])."""
+        if self._last_logits is None:
+            raise ValueError("no token evaluated yet: prefill a prompt first")
+        return self._last_logits.copy()
+
+    def _maybe_rescore(self) -> None:
+        if isinstance(self.policy, LRUPolicy) or not self.kvflash:
+            return
+        period = max(self.tau, len(self._tokens) // 45)
+        if self._since_rescore < period:
+            return
+        self._since_rescore = 0
+        self.rescore()
+
+    def rescore(self) -> int:
+        """Ask the policy for chunk scores now and repage the pool; returns chunks moved."""
+        n = -(-self.runtime.n_past // self.chunk_tokens)
+        if n == 0:
+            return 0
+        t0 = time.perf_counter()
+        table = self.pager.chunk_table()
+        view = ChunkView(n_chunks=n, chunk_tokens=self.chunk_tokens, n_past=self.runtime.n_past,
+                         tokens=np.asarray(self._tokens, dtype=np.int32), resident=table["block"][:n] >= 0,
+                         protected=table["protected"][:n], pool_chunks=self.pager.n_blocks, session=self)
+        scores = self.policy.score(view)
+        moved = 0
+        if scores is not None:
+            moved = self.pager.reselect(validate_scores(scores, n, self.policy.name))
+        self._rescores += 1
+        self._rescore_s += time.perf_counter() - t0
+        return moved
+
+    def generate(self, prompt: Union[str, Sequence[int], None] = None, *, max_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 stop: Union[str, Sequence[str], None] = None, ignore_eos: bool = False,
+                 seed: Optional[int] = None) -> Iterator[str]:
+        """Stream text pieces, continuing from whatever is already in the session."""
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        if not (temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        if not (0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if not (0 <= min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1), got {min_p!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        if prompt is not None:
+            self.prefill(prompt)
+        if self._last_logits is None:
+            raise ValueError("nothing to continue from: pass a prompt or prefill() first")
+        return self._generate(max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed)
+
+    def _generate(self, max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed):
+        rt = self.runtime
+        if seed is not None:
+            rt.seed(int(seed))
+        eot = set() if ignore_eos else set(self.tokenizer.eot_ids)
+        dec = StreamDecoder(self.tokenizer, strip_leading_space=False)
+        held = ""  # text withheld while it could still be the start of a stop string
+        tok = rt.sample(self._last_logits, temperature, top_k, top_p, min_p)
+        t0 = time.perf_counter()
+        produced = 0
+        try:
+            for _ in range(max_tokens):
+                if tok in eot:
+                    break
+                if rt.n_past >= self.max_ctx:
+                    break
+                nxt = rt.eval_sample(np.asarray([tok], dtype=np.int32), temperature, top_k, top_p, min_p)
+                self._tokens.append(tok)
+                produced += 1
+                self._since_rescore += 1
+                self._maybe_rescore()
+                piece = dec.push(tok)
+                tok = nxt
+                if not stops:
+                    if piece:
+                        yield piece
+                    continue
+                held += piece
+                cut = min((held.find(s) for s in stops if s in held), default=-1)
+                if cut >= 0:
+                    if held[:cut]:
+                        yield held[:cut]
+                    held = ""
+                    return
+                keep = max((len(s) - 1 for s in stops), default=0)
+                # emit all but a tail that could begin a stop string
+                safe = len(held)
+                for k in range(min(keep, len(held)), 0, -1):
+                    if any(s.startswith(held[-k:]) for s in stops):
+                        safe = len(held) - k
+                        break
+                if safe:
+                    yield held[:safe]
+                    held = held[safe:]
+            tail = dec.flush() if hasattr(dec, "flush") else ""
+            if held + tail:
+                yield held + tail
+        finally:
+            if produced:
+                self._last_logits = rt.last_logits().copy()
+            self._decode_s += time.perf_counter() - t0
+            self._decoded += produced
+
+    def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **kw) -> Iterator[str]:
+        """Render messages with the model's chat template and stream the reply.
+
+        The rendered conversation reuses the longest common prefix already in the
+        cache, so a multi-turn chat only evaluates what is new.
+        """
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+        common = 0
+        for a, b in zip(self._tokens, ids):
+            if a != b:
+                break
+            common += 1
+        if common == len(ids):
+            common -= 1  # re-evaluate the last token to get fresh logits
+        if common < len(self._tokens):
+            try:
+                self.runtime.truncate(max(common, 0))
+                del self._tokens[max(common, 0):]
+            except ValueError:
+                self.reset()
+                common = 0
+        self.prefill(ids[max(common, 0):])
+        return self.generate(None, **kw)
+
+    def _bos_text(self) -> str:
+        bos = self.tokenizer.bos_id
+        return self.tokenizer.token_text(bos) if bos is not None else "\0"
+
+    def reset(self) -> None:
+        """Forget the context and every piece of policy state (scores never leak across sessions)."""
+        self.runtime.reset()
+        self._tokens.clear()
+        self._last_logits = None
+        self._since_rescore = 0
+        if hasattr(self.policy, "reset"):
+            self.policy.reset()
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> dict:
+        p = self.pager.stats
+        mib = 2**20
+        resident = self.runtime.pool_bytes + self.runtime.swa_bytes
+        mat = max(1, p["materialised_chunks"])
+        return {
+            "mode": "kvflash" if self.kvflash else "full",
+            "policy": self.policy.name + (" (fallback)" if self._policy_note else ""),
+            "n_past": self.runtime.n_past,
+            "max_ctx": self.max_ctx,
+            "pool_tokens": self.runtime.pool_tokens,
+            "resident_kv_mib": resident / mib,
+            "host_kv_mib": p["host_bytes"] / mib,
+            "residency_pct": 100.0 * min(p["resident_chunks"], mat) / mat,
+            "page_outs": p["page_outs"],
+            "page_ins": p["page_ins"],
+            "clean_skips": p["clean_skips"],
+            "bytes_out": p["bytes_out"],
+            "bytes_in": p["bytes_in"],
+            "rescores": self._rescores,
+            "rescore_ms": 1e3 * self._rescore_s,
+            "prefill_s": self._prefill_s,
+            "decode_tok_s": self._decoded / self._decode_s if self._decode_s > 0 else 0.0,
+            "threads": self.threads,
+            "kv_type": self.kv_type,
+        }

@@ -1,0 +1,380 @@
+"""Tiny random-weight GGUF model writer for tests.
+
+Writes complete, llama.cpp-loadable GGUF files for the architectures ``llama``,
+``qwen2``, ``qwen3`` and ``gemma3`` using the pip ``gguf`` package's
+``GGUFWriter``.  Tensor names, shapes and metadata keys follow llama.cpp
+(vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
+
+Tensor names (src/llama-arch.cpp, LLM_TENSOR_NAMES; gguf.constants.TENSOR_NAMES)::
+
+    token_embd.weight              ne=[n_embd, n_vocab]
+    output_norm.weight             ne=[n_embd]
+    output.weight                  ne=[n_embd, n_vocab]   (absent when tied)
+    blk.N.attn_norm.weight         ne=[n_embd]
+    blk.N.attn_q.weight            ne=[n_embd, n_head*head_dim]
+    blk.N.attn_k.weight            ne=[n_embd, n_head_kv*head_dim]
+    blk.N.attn_v.weight            ne=[n_embd, n_head_kv*head_dim]
+    blk.N.attn_q.bias / attn_k.bias / attn_v.bias        (qwen2 only)
+    blk.N.attn_q_norm.weight / attn_k_norm.weight  ne=[head_dim] (qwen3, gemma3)
+    blk.N.attn_output.weight       ne=[n_head*head_dim, n_embd]
+    blk.N.post_attention_norm.weight  ne=[n_embd]          (gemma3)
+    blk.N.ffn_norm.weight          ne=[n_embd]
+    blk.N.ffn_gate.weight          ne=[n_embd, n_ff]
+    blk.N.ffn_up.weight            ne=[n_embd, n_ff]
+    blk.N.ffn_down.weight          ne=[n_ff, n_embd]
+    blk.N.post_ffw_norm.weight     ne=[n_embd]              (gemma3)
+
+(shapes given in ggml ``ne`` order as used by ``create_tensor`` in
+src/models/{llama,qwen2,qwen3,gemma3}.cpp; numpy arrays returned by
+:func:`write_tiny_model` use the reversed, row-major shape, e.g.
+``token_embd.weight`` has numpy shape ``(n_vocab, n_embd)`` and
+``attn_q.weight`` has shape ``(n_head*head_dim, n_embd)`` so that
+``q = x @ W.T``.)
+
+Tensor storage types follow convert_hf_to_gguf: 1-D tensors (norm weights,
+biases) are always F32; 2-D matrices are F32 or F16 per ``weight_type``.
+
+Metadata (src/llama-arch.cpp LLM_KV_NAMES, read in src/llama-model.cpp
+``load_hparams`` and the per-arch ``load_arch_hparams``)::
+
+    general.architecture, general.name, general.file_type
+    {arch}.context_length, .embedding_length, .block_count,
+    .feed_forward_length, .attention.head_count, .attention.head_count_kv,
+    .attention.key_length, .attention.value_length   (always written)
+    .attention.layer_norm_rms_epsilon, .rope.freq_base
+    llama : .rope.dimension_count (= head_dim, llama.cpp requires n_rot == head_dim
+            for LLM_ARCH_LLAMA), .vocab_size
+    gemma3: .attention.sliding_window (only if gemma_sliding_window > 0),
+            .rope.freq_base_swa (local rope base, written by the current
+            converter from ``rope_local_base_freq``; llama.cpp's default when
+            absent is 10000, src/llama-hparams.h rope_freq_base_train_swa),
+            optional .attention.sliding_window_pattern, .final_logit_softcapping
+
+Tokenizer: byte-level "gpt2" BPE vocab with ``tokenizer.ggml.pre = "default"``:
+256 byte tokens (GPT-2 ``bytes_to_unicode`` spelling, token id == byte value),
+a handful of merged tokens (llama.cpp requires a non-empty merges array for
+gpt2 vocabs, src/llama-vocab.cpp, and GGUFWriter silently drops empty arrays),
+then ``<|bos|>`` and ``<|eos|>`` control tokens, then optional
+``<|reserved_N|>`` control tokens to pad up to the requested ``n_vocab``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import gguf
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+# GGUF rope "mode" per arch, from llama_model_rope_type() in src/llama-model.cpp:
+# LLM_ARCH_LLAMA -> LLAMA_ROPE_TYPE_NORM; QWEN2/QWEN3/GEMMA3 -> LLAMA_ROPE_TYPE_NEOX.
+ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+
+# Merged BPE tokens (pairs of byte-level token strings).  "Ġ" is the
+# bytes_to_unicode spelling of the space byte 0x20.
+_MERGES = [("Ġ", "t"), ("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"),
+           ("a", "n"), ("Ġ", "a"), ("o", "n")]
+N_BASE_TOKENS = 256 + len(_MERGES) + 2  # bytes + merges + bos + eos
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character mapping."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def make_vocab(n_vocab: int | None = None) -> dict[str, Any]:
+    """Build the byte-level gpt2 vocab. Returns tokens, token_types, merges, bos_id, eos_id."""
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    types = [int(gguf.TokenType.NORMAL)] * 256
+    merges = []
+    for a, b in _MERGES:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        types.append(int(gguf.TokenType.NORMAL))
+    bos_id = len(tokens)
+    tokens.append("<|bos|>")
+    types.append(int(gguf.TokenType.CONTROL))
+    eos_id = len(tokens)
+    tokens.append("<|eos|>")
+    types.append(int(gguf.TokenType.CONTROL))
+    assert len(tokens) == N_BASE_TOKENS
+    if n_vocab is not None:
+        if n_vocab < len(tokens):
+            raise ValueError(f"n_vocab={n_vocab} < minimum tokenizer size {len(tokens)}")
+        i = 0
+        while len(tokens) < n_vocab:
+            tokens.append(f"<|reserved_{i}|>")
+            types.append(int(gguf.TokenType.CONTROL))
+            i += 1
+    assert len(set(tokens)) == len(tokens)
+    return {"tokens": tokens, "token_types": types, "merges": merges,
+            "bos_id": bos_id, "eos_id": eos_id}
+
+
+def swa_layers(n_layer: int, n_swa: int, pattern: int | list[bool] | None = None) -> list[bool]:
+    """Which layers use sliding-window attention, as llama.cpp computes it for gemma3.
+
+    src/models/gemma3.cpp: if ``{arch}.attention.sliding_window`` is present and >0,
+    swa_type = LLAMA_SWA_TYPE_STANDARD and ``load_swa_pattern(ml, 6)``; that reads
+    ``attention.sliding_window_pattern`` as a per-layer bool array, else as a
+    uint32 period (default 6) expanded by ``llama_hparams::set_swa_pattern``
+    (src/llama-hparams.cpp, dense_first=false):
+    ``is_swa[il] = n_pattern == 0 || il % n_pattern < n_pattern - 1``
+    i.e. with period 6 layers 5, 11, 17, ... ((il+1) % 6 == 0) are global.
+    Without a sliding window all layers are global (swa_type NONE).
+    """
+    if not n_swa:
+        return [False] * n_layer
+    if pattern is None:
+        pattern = 6
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n_layer:
+            raise ValueError("per-layer sliding_window_pattern must have n_layer entries")
+        return [bool(x) for x in pattern]
+    p = int(pattern)
+    return [p == 0 or (il % p) < (p - 1) for il in range(n_layer)]
+
+
+def _add_extra_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
+    if isinstance(val, bool):
+        w.add_bool(key, val)
+    elif isinstance(val, int):
+        w.add_uint32(key, val) if val >= 0 else w.add_int32(key, val)
+    elif isinstance(val, float):
+        w.add_float32(key, val)
+    elif isinstance(val, str):
+        w.add_string(key, val)
+    elif isinstance(val, (list, tuple)):
+        w.add_array(key, list(val))
+    else:
+        raise TypeError(f"unsupported metadata value for {key}: {type(val)}")
+
+
+def write_tiny_model(
+    path: str | Path,
+    arch: str,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 16,
+    n_ff: int = 128,
+    n_vocab: int | None = None,
+    ctx_len: int = 4096,
+    seed: int = 0,
+    weight_type: str = "f32",
+    tie_embeddings: bool = True,
+    rope_base: float = 10000.0,
+    rms_eps: float = 1e-6,
+    gemma_sliding_window: int = 8,
+    gemma_rope_base_swa: float | None = 10000.0,
+    gemma_swa_pattern: int | list[bool] | None = None,
+    final_logit_softcapping: float | None = None,
+    weight_scale: float = 1.0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a tiny random-weight GGUF model and return its exact weights.
+
+    Returns ``{"weights": {gguf_tensor_name: float64 ndarray}, "hparams": {...},
+    "vocab": {...}, "path": str}``.  Weights are the values exactly as stored in
+    the file (i.e. already rounded to f16/f32), in numpy row-major shape
+    (reverse of GGUF ``ne``).  ``hparams`` is what :class:`reference.RefModel`
+    consumes (same dict as ``reference.hparams_from_gguf`` reads back).
+
+    n_vocab: ``None`` -> tokenizer size (266); larger values are padded with
+    ``<|reserved_N|>`` control tokens.  ``gemma_sliding_window``: window for
+    gemma3 SWA layers (0/None disables SWA: all layers global).
+    ``gemma_rope_base_swa``: value written to ``gemma3.rope.freq_base_swa``
+    (``None`` = key omitted, llama.cpp then uses 10000).  ``extra``: additional
+    metadata key/values written verbatim (bool/int/float/str/list).
+
+    Weight init (so activations stay O(1) and logits / attention are not
+    degenerate): matrices ~ N(0, (weight_scale/sqrt(fan_in))^2), token embedding
+    std 0.3 (gemma3: 1/sqrt(n_embd) since llama.cpp multiplies by sqrt(n_embd)),
+    untied output std 0.3,
+    norm weights 1 + N(0, 0.1^2) (gemma3 GGUFs store the HF weight + 1 already —
+    conversion/gemma.py Gemma3Model.norm_shift — so they are used as-is),
+    qwen2 biases N(0, 0.2^2).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; expected one of {ARCHS}")
+    if weight_type not in ("f32", "f16"):
+        raise ValueError("weight_type must be 'f32' or 'f16'")
+    if n_head % n_head_kv != 0:
+        raise ValueError("n_head must be a multiple of n_head_kv")
+    if head_dim % 2 != 0:
+        raise ValueError("head_dim must be even (RoPE)")
+    if arch == "qwen2" and n_head * head_dim != n_embd:
+        # src/models/qwen2.cpp creates attn_q as {n_embd, n_embd} and attn_output as {n_embd, n_embd}
+        raise ValueError("qwen2 in llama.cpp requires n_head*head_dim == n_embd")
+
+    vocab = make_vocab(n_vocab)
+    n_vocab = len(vocab["tokens"])
+    rng = np.random.default_rng(seed)
+    np_wtype = np.float16 if weight_type == "f16" else np.float32
+    n_q = n_head * head_dim
+    n_kv = n_head_kv * head_dim
+
+    weights: dict[str, np.ndarray] = {}
+    file_arrays: dict[str, np.ndarray] = {}
+
+    def mat(name: str, rows: int, cols: int, std: float) -> None:
+        a = (rng.standard_normal((rows, cols)) * std).astype(np_wtype)
+        file_arrays[name] = a
+        weights[name] = a.astype(np.float64)
+
+    def vec(name: str, n: int, mean: float, std: float) -> None:
+        a = (mean + rng.standard_normal(n) * std).astype(np.float32)
+        file_arrays[name] = a
+        weights[name] = a.astype(np.float64)
+
+    s = weight_scale
+    emb_std = 1.0 / math.sqrt(n_embd) if arch == "gemma3" else 0.3
+    mat("token_embd.weight", n_vocab, n_embd, emb_std)
+    vec("output_norm.weight", n_embd, 1.0, 0.1)
+    if not tie_embeddings:
+        mat("output.weight", n_vocab, n_embd, 0.3)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", n_embd, 1.0, 0.1)
+        mat(p + "attn_q.weight", n_q, n_embd, s / math.sqrt(n_embd))
+        mat(p + "attn_k.weight", n_kv, n_embd, s / math.sqrt(n_embd))
+        mat(p + "attn_v.weight", n_kv, n_embd, s / math.sqrt(n_embd))
+        if arch == "qwen2":
+            vec(p + "attn_q.bias", n_q, 0.0, 0.2)
+            vec(p + "attn_k.bias", n_kv, 0.0, 0.2)
+            vec(p + "attn_v.bias", n_kv, 0.0, 0.2)
+        if arch in ("qwen3", "gemma3"):
+            vec(p + "attn_q_norm.weight", head_dim, 1.0, 0.1)
+            vec(p + "attn_k_norm.weight", head_dim, 1.0, 0.1)
+        mat(p + "attn_output.weight", n_embd, n_q, s / math.sqrt(n_q))
+        if arch == "gemma3":
+            vec(p + "post_attention_norm.weight", n_embd, 1.0, 0.1)
+        vec(p + "ffn_norm.weight", n_embd, 1.0, 0.1)
+        mat(p + "ffn_gate.weight", n_ff, n_embd, s / math.sqrt(n_embd))
+        mat(p + "ffn_up.weight", n_ff, n_embd, s / math.sqrt(n_embd))
+        mat(p + "ffn_down.weight", n_embd, n_ff, s / math.sqrt(n_ff))
+        if arch == "gemma3":
+            vec(p + "post_ffw_norm.weight", n_embd, 1.0, 0.1)
+
+    # ---- metadata -------------------------------------------------------
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
+    w.add_name(f"tiny-{arch}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16"
+                        else gguf.LlamaFileType.ALL_F32))
+    w.add_context_length(ctx_len)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_base)
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+        w.add_vocab_size(n_vocab)
+    n_swa = 0
+    if arch == "gemma3":
+        if gemma_sliding_window:
+            n_swa = int(gemma_sliding_window)
+            w.add_sliding_window(n_swa)
+            if gemma_swa_pattern is not None:
+                w.add_sliding_window_pattern(gemma_swa_pattern)
+        if gemma_rope_base_swa is not None:
+            w.add_rope_freq_base_swa(gemma_rope_base_swa)
+        if final_logit_softcapping:
+            w.add_final_logit_softcapping(final_logit_softcapping)
+    elif final_logit_softcapping:
+        raise ValueError("final_logit_softcapping is only read by llama.cpp for gemma3 here")
+
+    # tokenizer
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["token_types"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos_id"])
+    w.add_eos_token_id(vocab["eos_id"])
+    w.add_add_bos_token(True)
+
+    for k, v in (extra or {}).items():
+        _add_extra_kv(w, k, v)
+
+    for name, a in file_arrays.items():
+        w.add_tensor(name, a)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # ---- hparams as llama.cpp derives them ---------------------------------
+    if arch == "gemma3":
+        is_swa = swa_layers(n_layer, n_swa, gemma_swa_pattern)
+        rope_base_swa = 10000.0 if gemma_rope_base_swa is None else float(gemma_rope_base_swa)
+    else:
+        is_swa = [False] * n_layer
+        rope_base_swa = 10000.0
+    hparams = make_hparams(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, ctx_len=ctx_len, rms_eps=rms_eps,
+        rope_base=rope_base, rope_base_swa=rope_base_swa, n_swa=n_swa, is_swa=is_swa,
+        final_logit_softcapping=final_logit_softcapping or 0.0,
+        tie_embeddings=tie_embeddings, bos_id=vocab["bos_id"], eos_id=vocab["eos_id"],
+    )
+    return {"weights": weights, "hparams": hparams, "vocab": vocab, "path": str(path)}
+
+
+def make_hparams(*, arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
+                 head_dim: int, n_ff: int, n_vocab: int, ctx_len: int, rms_eps: float,
+                 rope_base: float, rope_base_swa: float, n_swa: int, is_swa: list[bool],
+                 final_logit_softcapping: float, tie_embeddings: bool,
+                 bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """Assemble the derived hparams dict (shared by writer and GGUF reader).
+
+    attn_scale: llama/qwen2/qwen3 use kq_scale = 1/sqrt(head_dim)
+    (src/models/{llama,qwen2,qwen3}.cpp; llama: f_attention_scale is 0 -> 1/sqrt).
+    gemma3 (src/models/gemma3.cpp load_arch_hparams): f_attention_scale =
+    1/sqrt(n_embd/n_head) for the 27B type (n_layer == 62) else 1/sqrt(head_dim);
+    query_pre_attn_scalar is NOT read by llama.cpp.  gemma3 input embeddings are
+    scaled by sqrtf(n_embd).
+    """
+    if arch == "gemma3":
+        if n_layer == 62:
+            attn_scale = 1.0 / math.sqrt(float(n_embd // n_head))
+        else:
+            attn_scale = 1.0 / math.sqrt(float(head_dim))
+        embd_scale = math.sqrt(float(n_embd))
+    else:
+        attn_scale = 1.0 / math.sqrt(float(head_dim))
+        embd_scale = 1.0
+    return {
+        "arch": arch, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head,
+        "n_head_kv": n_head_kv, "head_dim": head_dim, "n_ff": n_ff, "n_vocab": n_vocab,
+        "ctx_len": ctx_len,
+        # GGUF stores these as float32 and llama.cpp uses the float32 values
+        "rms_eps": float(np.float32(rms_eps)), "rope_base": float(np.float32(rope_base)),
+        "rope_base_swa": float(np.float32(rope_base_swa)), "rope_type": ROPE_TYPE[arch],
+        "n_rot": head_dim, "n_swa": int(n_swa), "is_swa": list(is_swa),
+        "attn_scale": attn_scale, "embd_scale": embd_scale,
+        "final_logit_softcapping": float(np.float32(final_logit_softcapping or 0.0)),
+        "ffn_act": "gelu_tanh" if arch == "gemma3" else "silu",
+        "tie_embeddings": bool(tie_embeddings), "bos_id": bos_id, "eos_id": eos_id,
+    }
