@@ -1,0 +1,97 @@
+"""The ``kvflash`` command line: generate, chat, bench, models."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _session_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="model name (see `kvflash models`) or GGUF path")
+    p.add_argument("--max-ctx", type=int, default=None, help="logical context (default: the model's trained one)")
+    p.add_argument("--kvflash", default="auto", help="pool size in tokens, 'auto', or 'off' for the full cache")
+    p.add_argument("--kvflash-policy", default="drafter", help="drafter | lru | qk")
+    p.add_argument("--kvflash-tau", type=int, default=64, help="decoded tokens between rescores (minimum)")
+    p.add_argument("--prefill-drafter", default=None, help="drafter GGUF for the drafter policy")
+    p.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--allow-long-ctx", action="store_true", help="allow max_ctx above the trained context")
+
+
+def _make_session(a):
+    from . import DEFAULT_MODEL, Session
+    pool = a.kvflash
+    if pool in ("off", "none", "full"):
+        pool = None
+    elif pool != "auto":
+        try:
+            pool = int(pool)
+        except ValueError:
+            raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {a.kvflash!r}")
+    return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=pool, policy=a.kvflash_policy,
+                   drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
+                   seed=a.seed, allow_long_ctx=a.allow_long_ctx)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+        return bench_main(argv[1:]) or 0
+    ap = argparse.ArgumentParser(prog="kvflash", description="Long-context local inference with a paged KV pool.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="continue a prompt")
+    _session_args(g)
+    g.add_argument("prompt")
+    g.add_argument("-n", "--max-tokens", type=int, default=256)
+    g.add_argument("--temp", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stats", action="store_true", help="print the session stats at the end (stderr)")
+    c = sub.add_parser("chat", help="interactive chat on stdin")
+    _session_args(c)
+    c.add_argument("-n", "--max-tokens", type=int, default=512)
+    sub.add_parser("models", help="list the models kvflash can fetch by name")
+    sub.add_parser("bench", help="benchmarks (see `kvflash bench --help`)")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "models":
+            from .models import format_models, list_models
+            print(format_models(list_models()))
+            return 0
+        s = _make_session(a)
+        if a.cmd == "generate":
+            kw = dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p)
+            it = s.chat([{"role": "user", "content": a.prompt}], **kw) if a.chat else s.generate(a.prompt, **kw)
+            for piece in it:
+                print(piece, end="", flush=True)
+            print()
+            if a.stats:
+                for k, v in s.stats.items():
+                    print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}", file=sys.stderr)
+            return 0
+        if a.cmd == "chat":
+            messages = []
+            while True:
+                try:
+                    line = input("> ")
+                except EOFError:
+                    return 0
+                if not line.strip():
+                    continue
+                messages.append({"role": "user", "content": line})
+                reply = ""
+                for piece in s.chat(messages, max_tokens=a.max_tokens):
+                    reply += piece
+                    print(piece, end="", flush=True)
+                print()
+                messages.append({"role": "assistant", "content": reply})
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvflash: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

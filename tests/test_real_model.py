@@ -1,0 +1,81 @@
+"""The real embedded default model (SmolLM2-135M-Instruct Q4_1), full cache and kvflash."""
+import os
+
+import pytest
+
+import kvflash
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    try:
+        return kvflash.resolve_model("smollm2-135m")
+    except Exception as e:  # pragma: no cover - only without registry access
+        if os.environ.get("KVFLASH_OFFLINE"):
+            pytest.skip(f"offline: {e}")
+        raise
+
+
+@pytest.mark.parametrize("pool", [None, 512])
+def test_capital_of_france(model_path, pool):
+    s = kvflash.Session(model_path, max_ctx=4096, kvflash=pool, policy="lru", threads=1, verbose=False)
+    reply = "".join(s.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=24))
+    assert "Paris" in reply, reply
+    st = s.stats
+    assert st["mode"] == ("full" if pool is None else "kvflash")
+    assert st["policy"] == "lru"
+
+
+def test_long_context_pages_and_still_answers(model_path):
+    # ~1500 tokens of filler through a 512-token pool: chunks are paged out, the
+    # question sits in the tail window, and the answer does not depend on the evicted middle.
+    filler = "The weather was calm and the river ran slowly past the old mill. " * 110
+    s = kvflash.Session(model_path, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
+    msgs = [{"role": "user", "content": filler + "\nQuestion: What is the capital of France? Answer briefly."}]
+    reply = "".join(s.chat(msgs, max_tokens=24))
+    st = s.stats
+    assert st["page_outs"] > 0 and st["host_kv_mib"] > 0
+    assert st["resident_kv_mib"] == pytest.approx(s.runtime.pool_bytes / 2**20)
+    assert "Paris" in reply, reply
+    s.pager.check_invariants()
+
+
+def test_greedy_identical_full_vs_pool_without_eviction(model_path):
+    prompt = "Write a short poem about the sea."
+    outs = []
+    for pool in (None, 1024):
+        s = kvflash.Session(model_path, max_ctx=2048, kvflash=pool, policy="lru", threads=1, verbose=False)
+        outs.append("".join(s.chat([{"role": "user", "content": prompt}], max_tokens=48)))
+    assert outs[0] == outs[1]
+
+
+def test_session_errors(model_path):
+    with pytest.raises(ValueError, match="unknown policy"):
+        kvflash.Session(model_path, policy="nope", verbose=False)
+    with pytest.raises(ValueError, match="below the minimum 512"):
+        kvflash.Session(model_path, kvflash=300, verbose=False)
+    with pytest.raises(ValueError, match="allow_long_ctx"):
+        kvflash.Session(model_path, max_ctx=1 << 20, verbose=False)
+    with pytest.raises(ValueError, match="kv_type"):
+        kvflash.Session(model_path, kv_type="q5_9", verbose=False)
+    s = kvflash.Session(model_path, max_ctx=256, kvflash=None, policy="lru", threads=1, verbose=False)
+    with pytest.raises(ValueError, match="exceeds max_ctx"):
+        s.prefill("hello " * 400)
+    with pytest.raises(ValueError, match="nothing to continue"):
+        s.generate(max_tokens=3)
+    with pytest.raises(ValueError, match="outside"):
+        s.prefill([10**9])
+    s.prefill("Hello")
+    assert s.n_past > 0
+    s.reset()
+    assert s.n_past == 0 and s.tokens == []
+
+
+def test_stop_strings_and_streaming(model_path):
+    s = kvflash.Session(model_path, max_ctx=1024, kvflash=None, policy="lru", threads=1, verbose=False)
+    pieces = list(s.generate("1, 2, 3, 4, 5,", max_tokens=30, stop=["9"]))
+    text = "".join(pieces)
+    assert "9" not in text
+    assert "6" in text and "8" in text
