@@ -308,7 +308,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
 )doc")
         .def(py::init([](std::shared_ptr<Model> model, int64_t max_ctx, int32_t pool_tokens, const std::string &kv_type,
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
-                         const std::string &host, py::object host_path, uint64_t seed) {
+                         const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
+                         int32_t pool_attn_max_tokens) {
                  if (!model) throw std::invalid_argument("model is required");
                  if (max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0, got " + std::to_string(max_ctx));
                  if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
@@ -317,6 +318,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.max_ctx = max_ctx; c.pool_tokens = pool_tokens; c.kv_type = kv_type; c.chunk_tokens = chunk_tokens;
                  c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks; c.ubatch = ubatch;
                  c.host = host == "mmap" ? "file" : host;
+                 c.attn = attn;
+                 c.pool_attn_max_tokens = pool_attn_max_tokens;
                  c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
                  if (c.host == "file" && c.host_path.empty()) throw std::invalid_argument("host='file' needs host_path=");
                  auto r = std::make_shared<PyRuntime>();
@@ -327,7 +330,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
              py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
-             py::arg("host_path") = py::none(), py::arg("seed") = 0)
+             py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
+             py::arg("pool_attn_max_tokens") = 1 << 30)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })

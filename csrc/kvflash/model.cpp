@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "ggml-cpu.h"
+#include "kvflash/attn_cpu.h"
 
 namespace kvflash {
 
@@ -316,6 +317,7 @@ struct Runtime::Graph {
     ggml_gallocr_t alloc = nullptr;
     ggml_tensor *tokens = nullptr, *pos = nullptr, *slots = nullptr, *mask = nullptr;
     ggml_tensor *swa_slots = nullptr, *swa_mask = nullptr, *logits = nullptr;
+    PoolAttnParams attn, attn_swa;   // stable addresses for the custom attention ops
     std::vector<uint8_t> meta;
     ~Graph() {
         if (alloc) ggml_gallocr_free(alloc);
@@ -328,6 +330,8 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     if (cfg_.max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0");
     if (cfg_.ubatch <= 0) throw std::invalid_argument("ubatch must be > 0");
     const ggml_type kvt = kv_type_from_name(cfg_.kv_type);
+    if (cfg_.attn != "auto" && cfg_.attn != "ggml" && cfg_.attn != "pool")
+        throw std::invalid_argument("attn must be 'auto', 'ggml' or 'pool', got '" + cfg_.attn + "'");
     if (kvt == GGML_TYPE_F32) throw std::invalid_argument("kv_type f32 is not supported by the attention kernels; use f16, q8_0 or q4_0");
     if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
         throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
@@ -415,6 +419,13 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     }
 
     const int32_t D = hp.head_dim_k, H = hp.n_head, Hkv = hp.n_head_kv;
+    const bool pool_attn = use_pool_attn(n);
+    auto n_split = [&](int64_t n_kv) {
+        const int64_t want = std::max<int64_t>(n_kv / 256, (2 * model_->n_threads() + Hkv - 1) / Hkv);
+        return int32_t(std::max<int64_t>(1, std::min<int64_t>({want, 32, n_kv / 64})));
+    };
+    g.attn = {Hkv, n_split(P), hp.arch == Arch::GEMMA3 ? 1.0f : hp.attn_scale};
+    g.attn_swa = {Hkv, n_split(swa_tokens_), g.attn.scale};
     ggml_tensor *x = ggml_get_rows(ctx, M.tok_embd, g.tokens);  // [n_embd, n]
     if (hp.arch == Arch::GEMMA3) x = ggml_scale(ctx, x, std::sqrt(float(hp.n_embd)));
     auto norm = [&](ggml_tensor *t, ggml_tensor *w) { return ggml_mul(ctx, ggml_rms_norm(ctx, t, hp.rms_eps), w); };
@@ -459,9 +470,16 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
         // k: [D, n_kv, Hkv] viewed from the stored rows [n_embd_k, n_kv].
         ggml_tensor *kv_k = ggml_view_3d(ctx, ks, D, n_kv, Hkv, ks->nb[1], ggml_row_size(ks->type, D), 0);
         ggml_tensor *kv_v = ggml_view_3d(ctx, vs, D, n_kv, Hkv, vs->nb[1], ggml_row_size(vs->type, D), 0);
-        ggml_tensor *qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [D, n, H]
-        ggml_tensor *att = ggml_flash_attn_ext(ctx, qp, kv_k, kv_v, mask, kq_scale, 0.f, 0.f);
-        ggml_prec_set_acc(att, GGML_PREC_F32);
+        ggml_tensor *att;
+        if (pool_attn) {
+            ggml_tensor *k2 = ggml_view_2d(ctx, ks, ks->ne[0], n_kv, ks->nb[1], 0);
+            ggml_tensor *v2 = ggml_view_2d(ctx, vs, vs->ne[0], n_kv, vs->nb[1], 0);
+            att = pool_attention_cpu(ctx, q, k2, v2, mask, swa ? &g.attn_swa : &g.attn);  // [D, H, n]
+        } else {
+            ggml_tensor *qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [D, n, H]
+            att = ggml_flash_attn_ext(ctx, qp, kv_k, kv_v, mask, kq_scale, 0.f, 0.f);
+            ggml_prec_set_acc(att, GGML_PREC_F32);
+        }
         cur = ggml_reshape_2d(ctx, att, int64_t(D) * H, n);  // [D*H, n]
         cur = ggml_mul_mat(ctx, L.wo, cur);
         if (L.attn_post_norm) cur = norm(cur, L.attn_post_norm);
@@ -488,6 +506,13 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     ggml_build_forward_expand(g.gf, logits);
     g.alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model_->backend()));
     if (!ggml_gallocr_alloc_graph(g.alloc, g.gf)) throw std::runtime_error("cannot allocate the compute graph");
+}
+
+bool Runtime::use_pool_attn(int32_t n) const {
+    if (!ggml_backend_is_cpu(model_->backend())) return false;
+    if (cfg_.attn == "ggml") return false;
+    if (cfg_.attn == "pool") return true;
+    return n <= cfg_.pool_attn_max_tokens;
 }
 
 Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits) {
@@ -558,11 +583,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
         }
         ggml_backend_tensor_set(g->mask, decode_mask_.data(), 0, sizeof(uint16_t) * n_kv);
     } else {
-        std::vector<uint16_t> mask(size_t(P) * n);
-        pg.fill_mask(pos64.data(), n, mask.data(), P);
-        if (n_kv < P)
-            for (int32_t i = 1; i < n; ++i)  // compact rows to n_kv columns
-                std::memmove(mask.data() + size_t(i) * n_kv, mask.data() + size_t(i) * P, sizeof(uint16_t) * n_kv);
+        std::vector<uint16_t> mask(size_t(n_kv) * n);
+        pg.fill_mask(pos64.data(), n, mask.data(), n_kv);
         ggml_backend_tensor_set(g->mask, mask.data(), 0, sizeof(uint16_t) * size_t(n_kv) * n);
         decode_mask_epoch_ = -1;
     }

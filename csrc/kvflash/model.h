@@ -95,6 +95,11 @@ struct RuntimeConfig {
     int32_t ubatch = 512;             // prefill ubatch while the prompt fits the pool
     std::string host = "ram";         // "ram" | "file"
     std::string host_path;
+    // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),
+    // "ggml" (ggml_flash_attn_ext), or "auto" (pool for pieces of up to
+    // pool_attn_max_tokens queries, ggml above).  Other backends always use ggml.
+    std::string attn = "auto";
+    int32_t pool_attn_max_tokens = 1 << 30;
 };
 
 struct RuntimeStats {
@@ -131,6 +136,7 @@ public:
 private:
     struct Graph;
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
+    bool use_pool_attn(int32_t n) const;
     void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
     void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
 

@@ -326,10 +326,10 @@ void Pager::reset() {
 }
 
 void Pager::fill_mask(const int64_t *q_pos, int32_t n_q, uint16_t *out, int32_t n_kv, int32_t window) const {
-    if (n_kv < cfg_.pool_tokens)
-        throw std::invalid_argument("fill_mask: n_kv " + std::to_string(n_kv) + " < pool_tokens " +
-                                    std::to_string(cfg_.pool_tokens));
-    const int64_t P = cfg_.pool_tokens;
+    if (n_kv < used_extent())
+        throw std::invalid_argument("fill_mask: n_kv " + std::to_string(n_kv) + " cuts off occupied slots (extent " +
+                                    std::to_string(used_extent()) + ")");
+    const int64_t P = std::min<int64_t>(cfg_.pool_tokens, n_kv);
     for (int32_t q = 0; q < n_q; ++q) {
         uint16_t *row = out + int64_t(q) * n_kv;
         const int64_t qp = q_pos[q];

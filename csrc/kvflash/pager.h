@@ -114,7 +114,8 @@ public:
 
     // F16 mask rows for queries at q_pos[0..n_q): 0 where the slot holds a written
     // position <= q_pos (and > q_pos - window when window > 0), -inf elsewhere.
-    // out: [n_q rows][n_kv] (n_kv >= pool_tokens; the padding is -inf).
+    // out: [n_q rows][n_kv]; columns past pool_tokens are -inf padding.  n_kv may be
+    // below pool_tokens if it covers used_extent() (attention over the occupied prefix).
     void fill_mask(const int64_t *q_pos, int32_t n_q, uint16_t *out, int32_t n_kv,
                    int32_t window = 0) const;
 

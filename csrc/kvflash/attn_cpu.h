@@ -1,0 +1,34 @@
+// Attention over the pool for the CPU backend, as two ggml custom ops.
+//
+// ggml's CPU flash attention walks the cache one (query head, key) pair at a
+// time and re-reads each K/V row once per query head; at decode that makes
+// attention, not memory, the cost that grows with the cache.  This path
+// streams the pool once per KV head: every K/V row is dequantized once and used
+// by all query heads of its GQA group and all queries of the batch, and the
+// pool is split into ranges that the threads take independently (split-K).
+// A second op merges the ranges' partial softmax states.
+//
+// Masked (-inf) slots are skipped; a range with no visible slot contributes
+// nothing.  Supports any K/V type ggml can convert to f32 (f16, q8_0, q4_0).
+#pragma once
+
+#include <cstdint>
+
+#include "ggml.h"
+
+namespace kvflash {
+
+struct PoolAttnParams {
+    int32_t n_head_kv = 1;
+    int32_t n_split = 1;   // pool ranges (split-K)
+    float scale = 1.f;
+};
+
+// q:    [D, H, n]      f32, contiguous (post-RoPE)
+// k, v: [D*Hkv, n_kv]  pool rows (views of the stored pool tensors)
+// mask: [n_kv, n]      f16, 0 or -inf
+// returns [D, H, n] f32.  params must outlive the graph's computations.
+ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v,
+                                ggml_tensor *mask, const PoolAttnParams *params);
+
+}  // namespace kvflash
