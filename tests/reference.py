@@ -121,6 +121,15 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, mode: str, n_rot: int | No
     return out
 
 
+def gelu_tanh_fp16_table(x: np.ndarray) -> np.ndarray:
+    """ggml CPU's GELU as used by ``ggml_geglu_split`` (GGML_GELU_FP16, ggml-cpu/vec.h):
+    0 for x <= -10, x for x >= 10, else the f16 table entry
+    ``f16(gelu(f16(x)))`` (table built in ggml-cpu.c from the f16 input)."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    t = _f16(gelu_tanh(_f16(x32)))
+    return np.where(x32 <= -10.0, 0.0, np.where(x32 >= 10.0, x, t))
+
+
 def _f16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).astype(np.float64)
 
@@ -214,14 +223,26 @@ class RefModel:
     attention, as llama.cpp's f16 KV cache does.  ``q_f16_roundtrip``: also round
     Q (after RoPE and, for gemma3, the Q pre-scale) to f16 — ggml's CPU flash
     attention converts Q to the K type; off by default.
+
+    ``attn_fn``: optional replacement for the exact softmax attention, called per
+    layer as ``attn_fn(il=, q=, k=, v=, mask=, kq_scale=, pos=)`` with ``q``
+    [n, n_head, head_dim], ``k``/``v`` [n, n_head_kv, head_dim] (as cached),
+    ``mask`` the boolean [n, n] layer mask; it must return the per-head output
+    [n, n_head, head_dim].  ``gelu_fp16_table``: evaluate gemma3's GELU through
+    ggml's CPU f16 lookup table (:func:`gelu_tanh_fp16_table`) instead of the
+    exact formula.  Both are used to emulate a specific kernel's rounding (e.g.
+    ggml's CPU flash-attention decode path, see tests/test_model_exact.py).
     """
 
     def __init__(self, weights: dict[str, np.ndarray], hparams: dict[str, Any], *,
-                 kv_f16_roundtrip: bool = False, q_f16_roundtrip: bool = False):
+                 kv_f16_roundtrip: bool = False, q_f16_roundtrip: bool = False,
+                 attn_fn: Callable[..., np.ndarray] | None = None, gelu_fp16_table: bool = False):
         self.w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
         self.hp = dict(hparams)
         self.kv_f16_roundtrip = kv_f16_roundtrip
         self.q_f16_roundtrip = q_f16_roundtrip
+        self.attn_fn = attn_fn
+        self.gelu_fp16_table = gelu_fp16_table
         arch = self.hp["arch"]
         if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
             raise ValueError(f"unsupported arch {arch!r}")
@@ -265,7 +286,8 @@ class RefModel:
 
     # ---- forward -------------------------------------------------------
     def forward(self, tokens, positions=None, visible: VisibleSpec = None, *,
-                kv_f16_roundtrip: bool | None = None, return_details: bool = False):
+                kv_f16_roundtrip: bool | None = None, return_details: bool = False,
+                attn_fn: Callable[..., np.ndarray] | None = None):
         """Logits [n_tokens, n_vocab] (float64) for a causal pass over ``tokens``.
 
         positions: per-token integer positions (default 0..n-1); used for RoPE,
@@ -273,6 +295,7 @@ class RefModel:
         visible: extra key visibility ANDed with causal/SWA masking: a bool matrix
           [n, n] (query i, key j by token index) or [n_layer, n, n], or a callable
           ``f(i, j)`` / ``f(il, i, j)`` returning bool.
+        attn_fn: overrides the constructor's ``attn_fn`` for this call.
         return_details: also return ``(logits, details)``; details holds per-layer
           lists ``q`` ([n, n_head, head_dim], after RoPE and gemma3's pre-scale),
           ``k``/``v`` ([n, n_head_kv, head_dim], as they would sit in the KV
@@ -292,6 +315,7 @@ class RefModel:
         if pos.shape != (n,):
             raise ValueError("positions must have one entry per token")
         kvrt = self.kv_f16_roundtrip if kv_f16_roundtrip is None else kv_f16_roundtrip
+        attn_fn = self.attn_fn if attn_fn is None else attn_fn
 
         arch = hp["arch"]
         eps = hp["rms_eps"]
@@ -341,14 +365,21 @@ class RefModel:
             if not mask.any(axis=1).all():
                 bad = np.nonzero(~mask.any(axis=1))[0].tolist()
                 raise ValueError(f"layer {il}: queries {bad} have no visible keys")
-            kk = np.repeat(k, grp, axis=1)  # [n, nh, hd], head h -> kv head h // grp
-            vv = np.repeat(v, grp, axis=1)
-            s = np.einsum("ihd,jhd->hij", q, kk) * kq_scale
-            s = np.where(mask[None], s, -np.inf)
-            s = s - s.max(axis=-1, keepdims=True)
-            pr = np.exp(s)
-            pr = pr / pr.sum(axis=-1, keepdims=True)
-            o3 = np.einsum("hij,jhd->ihd", pr, vv)  # [n, nh, hd]
+            if attn_fn is not None:
+                o3 = np.asarray(attn_fn(il=il, q=q, k=k, v=v, mask=mask, kq_scale=kq_scale, pos=pos),
+                                dtype=np.float64)
+                if o3.shape != (n, nh, hd):
+                    raise ValueError(f"attn_fn returned shape {o3.shape}, expected {(n, nh, hd)}")
+            else:
+                kk = np.repeat(k, grp, axis=1)  # [n, nh, hd], head h -> kv head h // grp
+                vv = np.repeat(v, grp, axis=1)
+                # (batched matmuls: same as einsum("ihd,jhd->hij") / ("hij,jhd->ihd"), BLAS-fast)
+                s = np.matmul(q.transpose(1, 0, 2), kk.transpose(1, 2, 0)) * kq_scale
+                s = np.where(mask[None], s, -np.inf)
+                s = s - s.max(axis=-1, keepdims=True)
+                pr = np.exp(s)
+                pr = pr / pr.sum(axis=-1, keepdims=True)
+                o3 = np.matmul(pr, vv.transpose(1, 0, 2)).transpose(1, 0, 2)  # [n, nh, hd]
             o = o3.reshape(n, nh * hd)
             a = o @ w[p + "attn_output.weight"].T
             if gemma:
@@ -358,7 +389,10 @@ class RefModel:
             h = rms_norm(x, w[p + "ffn_norm.weight"], eps)
             gt = h @ w[p + "ffn_gate.weight"].T
             up = h @ w[p + "ffn_up.weight"].T
-            act = gelu_tanh(gt) if gemma else silu(gt)
+            if gemma:
+                act = gelu_tanh_fp16_table(gt) if self.gelu_fp16_table else gelu_tanh(gt)
+            else:
+                act = silu(gt)
             f = (act * up) @ w[p + "ffn_down.weight"].T
             if gemma:
                 f = rms_norm(f, w[p + "post_ffw_norm.weight"], eps)

@@ -309,7 +309,9 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
         .def(py::init([](std::shared_ptr<Model> model, int64_t max_ctx, int32_t pool_tokens, const std::string &kv_type,
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
                          const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
-                         int32_t pool_attn_max_tokens) {
+                         int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries) {
+                 if (capture_queries < 0 || capture_queries > 4096)
+                     throw std::invalid_argument("capture_queries must be in [0, 4096]");
                  if (!model) throw std::invalid_argument("model is required");
                  if (max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0, got " + std::to_string(max_ctx));
                  if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
@@ -320,6 +322,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.host = host == "mmap" ? "file" : host;
                  c.attn = attn;
                  c.pool_attn_max_tokens = pool_attn_max_tokens;
+                 c.capture_queries = capture_queries;
+                 c.chunk_summaries = chunk_summaries;
                  c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
                  if (c.host == "file" && c.host_path.empty()) throw std::invalid_argument("host='file' needs host_path=");
                  auto r = std::make_shared<PyRuntime>();
@@ -331,7 +335,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
              py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
-             py::arg("pool_attn_max_tokens") = 1 << 30)
+             py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
+             py::arg("chunk_summaries") = false)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })
@@ -408,6 +413,33 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  return out;
              }, py::arg("chunk"), py::arg("paged_layer"),
              "Post-RoPE keys of a resident chunk for one paged layer, f32 [chunk_tokens, n_embd_k].")
+        .def("qk_scores", [](PyRuntime &r, const std::string &mode) {
+                 QKMode m;
+                 if (mode == "mean") m = QKMode::MEAN;
+                 else if (mode == "bound") m = QKMode::BOUND;
+                 else throw std::invalid_argument("mode must be 'mean' or 'bound', got '" + mode + "'");
+                 const int32_t C = r.rt->config().chunk_tokens;
+                 const int32_t n = int32_t((r.rt->n_past() + C - 1) / C);
+                 py::array_t<float> out(n);
+                 r.rt->qk_scores(m, out.mutable_data(), n);
+                 return out;
+             }, py::arg("mode") = "bound",
+             "Per-chunk scores of the sealed chunks' key summaries against the last query (needs chunk_summaries=True).")
+        .def("attention_scores", [](PyRuntime &r) {
+                 py::array_t<float> out(py::ssize_t(r.rt->n_past()));
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->attention_scores(out.mutable_data(), r.rt->n_past());
+                 }
+                 return out;
+             }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
+        .def("captured_queries", [](PyRuntime &r) {
+                 const Hparams &h = r.model->hparams();
+                 const int32_t nc = r.rt->n_captured();
+                 const auto &q = r.rt->captured_queries();
+                 const py::ssize_t L = nc ? py::ssize_t(q.size() / (size_t(nc) * h.n_head * h.head_dim_k)) : 0;
+                 return py::array_t<float>({L, py::ssize_t(nc), py::ssize_t(h.n_head), py::ssize_t(h.head_dim_k)}, q.data());
+             }, "Post-RoPE queries of the last eval's final tokens: [n_paged_layers, n_captured, n_head, head_dim].")
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();
             py::dict d;

@@ -31,4 +31,13 @@ struct PoolAttnParams {
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v,
                                 ggml_tensor *mask, const PoolAttnParams *params);
 
+// Attention probabilities paid by nq captured queries to the pool's slots, for
+// one layer: per head a softmax over the slots visible to each query (written
+// position <= the query's), averaged over the queries, then
+// out[pos] = max(out[pos], that average) over heads.  out has n_pos entries.
+// q: [nq][H][D] f32; k: [D*Hkv, >= n_kv] pool rows (any backend; read via ggml).
+void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
+                          int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
+                          int64_t n_pos);
+
 }  // namespace kvflash

@@ -317,6 +317,8 @@ struct Runtime::Graph {
     ggml_gallocr_t alloc = nullptr;
     ggml_tensor *tokens = nullptr, *pos = nullptr, *slots = nullptr, *mask = nullptr;
     ggml_tensor *swa_slots = nullptr, *swa_mask = nullptr, *logits = nullptr;
+    std::vector<ggml_tensor *> q_out;  // per paged layer: [D, H, n_capture]
+    int32_t n_capture = 0;
     PoolAttnParams attn, attn_swa;   // stable addresses for the custom attention ops
     std::vector<uint8_t> meta;
     ~Graph() {
@@ -362,7 +364,10 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     // Sliding-window layers keep a ring of their window (plus one ubatch of new keys).
     const int32_t n_swa_layers = hp.n_layer - int32_t(specs.size());
     if (n_swa_layers > 0) {
-        swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + cfg_.ubatch + 255) / 256 * 256,
+        // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
+        // before the piece's first query plus the piece itself.
+        const int64_t piece = std::max(cfg_.ubatch, cfg_.chunk_tokens);
+        swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
                                                 (cfg_.max_ctx + 255) / 256 * 256));
         swa_tokens_ = std::max(swa_tokens_, 256);
         ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
@@ -398,6 +403,7 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     g.n = n;
     g.n_kv = n_kv_pool;
     g.all_logits = all_logits;
+    g.n_capture = std::min(n, std::max(0, cfg_.capture_queries));
     const size_t max_nodes = 64 * size_t(hp.n_layer) + 256;
     g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
     ggml_init_params ip{g.meta.size(), g.meta.data(), true};
@@ -447,6 +453,13 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
         const float base = swa ? hp.rope_base_swa : hp.rope_base, scale = swa ? hp.rope_scale_swa : hp.rope_scale;
         q = ggml_rope_ext(ctx, q, g.pos, nullptr, hp.n_rot, hp.rope_mode, int(hp.n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
         k = ggml_rope_ext(ctx, k, g.pos, nullptr, hp.n_rot, hp.rope_mode, int(hp.n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
+        if (!swa && g.n_capture > 0) {
+            ggml_tensor *ql = ggml_view_3d(ctx, q, D, H, g.n_capture, q->nb[1], q->nb[2], size_t(n - g.n_capture) * q->nb[2]);
+            ql = ggml_cont(ctx, ql);
+            ggml_set_output(ql);
+            ggml_build_forward_expand(g.gf, ql);
+            g.q_out.push_back(ql);
+        }
         float kq_scale = hp.attn_scale;
         if (hp.arch == Arch::GEMMA3) {
             q = ggml_scale(ctx, q, hp.attn_scale);
@@ -615,6 +628,105 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;
     if (logits_out) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
+    if (g->n_capture > 0) {
+        const Hparams &hp = model_->hparams();
+        const size_t per = size_t(g->n_capture) * hp.n_head * hp.head_dim_k;
+        captured_q_.resize(per * g->q_out.size());
+        for (size_t l = 0; l < g->q_out.size(); ++l)
+            ggml_backend_tensor_get(g->q_out[l], captured_q_.data() + l * per, 0, per * sizeof(float));
+        n_captured_ = g->n_capture;
+    }
+    if (cfg_.chunk_summaries) summarize_sealed(pos0, n);
+}
+
+void Runtime::summarize_sealed(int64_t pos0, int32_t n) {
+    const Pager &pg = *cache_->pager;
+    const int32_t C = cfg_.chunk_tokens, L = cache_->pool->n_layers(), E = model_->hparams().n_embd_k();
+    const size_t per_chunk = size_t(L) * E;
+    if (summ_ready_.size() != size_t(pg.n_chunks())) {
+        summ_ready_.assign(pg.n_chunks(), 0);
+        summ_min_.assign(per_chunk * pg.n_chunks(), 0.f);
+        summ_max_.assign(per_chunk * pg.n_chunks(), 0.f);
+        summ_mean_.assign(per_chunk * pg.n_chunks(), 0.f);
+    }
+    std::vector<float> keys(size_t(C) * E);
+    for (int64_t c = pos0 / C; c <= (pos0 + n - 1) / C; ++c) {
+        if (summ_ready_[c] || pg.n_written(int32_t(c)) != C || pg.block_of(int32_t(c)) < 0) continue;
+        for (int32_t l = 0; l < L; ++l) {
+            chunk_keys(int32_t(c), l, keys.data());
+            float *mn = &summ_min_[c * per_chunk + size_t(l) * E], *mx = &summ_max_[c * per_chunk + size_t(l) * E];
+            float *me = &summ_mean_[c * per_chunk + size_t(l) * E];
+            for (int32_t e = 0; e < E; ++e) { mn[e] = keys[e]; mx[e] = keys[e]; me[e] = 0.f; }
+            for (int32_t i = 0; i < C; ++i)
+                for (int32_t e = 0; e < E; ++e) {
+                    const float x = keys[size_t(i) * E + e];
+                    mn[e] = std::min(mn[e], x);
+                    mx[e] = std::max(mx[e], x);
+                    me[e] += x;
+                }
+            // Mean key per KV head, L2-normalised.
+            const int32_t D = model_->hparams().head_dim_k;
+            for (int32_t g = 0; g < E / D; ++g) {
+                double ss = 0;
+                for (int32_t d = 0; d < D; ++d) ss += double(me[g * D + d]) * me[g * D + d];
+                const float inv = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.f;
+                for (int32_t d = 0; d < D; ++d) me[g * D + d] *= inv;
+            }
+        }
+        summ_ready_[c] = 1;
+    }
+}
+
+void Runtime::qk_scores(QKMode mode, float *out, int32_t n) const {
+    const Hparams &hp = model_->hparams();
+    const int32_t L = cache_->pool->n_layers(), E = hp.n_embd_k(), D = hp.head_dim_k, H = hp.n_head;
+    const int32_t G = H / hp.n_head_kv;
+    if (n < 0 || n > cache_->pager->n_chunks()) throw std::out_of_range("qk_scores: bad chunk count");
+    if (!cfg_.chunk_summaries) throw std::invalid_argument("qk_scores: the runtime keeps no chunk summaries");
+    if (n_captured_ == 0) throw std::invalid_argument("qk_scores: no query captured yet (evaluate a token first)");
+    const size_t per_layer_q = size_t(n_captured_) * H * D, per_chunk = size_t(L) * E;
+    for (int32_t c = 0; c < n; ++c) {
+        if (size_t(c) >= summ_ready_.size() || !summ_ready_[c]) { out[c] = std::numeric_limits<float>::infinity(); continue; }
+        double total = 0;
+        for (int32_t l = 0; l < L; ++l) {
+            // the last captured token's query for this layer
+            const float *q = captured_q_.data() + l * per_layer_q + size_t(n_captured_ - 1) * H * D;
+            float best = -std::numeric_limits<float>::infinity();
+            for (int32_t h = 0; h < H; ++h) {
+                const int32_t g = h / G;
+                const float *qh = q + size_t(h) * D;
+                float s = 0.f;
+                if (mode == QKMode::MEAN) {
+                    const float *me = &summ_mean_[c * per_chunk + size_t(l) * E + size_t(g) * D];
+                    for (int32_t d = 0; d < D; ++d) s += qh[d] * me[d];
+                } else {
+                    const float *mn = &summ_min_[c * per_chunk + size_t(l) * E + size_t(g) * D];
+                    const float *mx = &summ_max_[c * per_chunk + size_t(l) * E + size_t(g) * D];
+                    for (int32_t d = 0; d < D; ++d) s += std::max(qh[d] * mn[d], qh[d] * mx[d]);
+                }
+                best = std::max(best, s);
+            }
+            total += best;
+        }
+        out[c] = float(total / L);
+    }
+}
+
+void Runtime::attention_scores(float *out, int64_t n) const {
+    const Hparams &hp = model_->hparams();
+    const int32_t L = cache_->pool->n_layers(), D = hp.head_dim_k, H = hp.n_head;
+    if (n_captured_ == 0) throw std::invalid_argument("attention_scores: no query captured yet");
+    std::fill(out, out + n, 0.f);
+    const Pager &pg = *cache_->pager;
+    const int32_t n_kv = pg.used_extent();
+    std::vector<int64_t> qpos(n_captured_);
+    for (int32_t i = 0; i < n_captured_; ++i) qpos[i] = n_past_ - n_captured_ + i;
+    const float scale = hp.attn_scale;
+    for (int32_t l = 0; l < L; ++l) {
+        const float *q = captured_q_.data() + size_t(l) * n_captured_ * H * D;
+        pool_attention_probs(q, n_captured_, H, hp.n_head_kv, D, cache_->pool->k(l), n_kv, pg.slot_positions().data(),
+                             qpos.data(), scale, out, n);
+    }
 }
 
 void Runtime::truncate(int64_t n_past) {
@@ -624,6 +736,7 @@ void Runtime::truncate(int64_t n_past) {
         throw std::invalid_argument("truncate: the sliding-window ring no longer holds the window before position " +
                                     std::to_string(n_past) + "; reset and evaluate the prefix again");
     cache_->pager->truncate(n_past);
+    for (size_t c = size_t(n_past / cfg_.chunk_tokens); c < summ_ready_.size(); ++c) summ_ready_[c] = 0;
     for (auto &p : swa_pos_)
         if (p >= n_past) p = -1;
     n_past_ = n_past;
@@ -632,6 +745,8 @@ void Runtime::truncate(int64_t n_past) {
 
 void Runtime::reset() {
     cache_->pager->reset();
+    std::fill(summ_ready_.begin(), summ_ready_.end(), 0);
+    n_captured_ = 0;
     std::fill(swa_pos_.begin(), swa_pos_.end(), -1);
     n_past_ = 0;
     decode_mask_epoch_ = -1;

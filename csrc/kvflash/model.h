@@ -100,7 +100,15 @@ struct RuntimeConfig {
     // pool_attn_max_tokens queries, ggml above).  Other backends always use ggml.
     std::string attn = "auto";
     int32_t pool_attn_max_tokens = 1 << 30;
+    // Post-RoPE queries of the last capture_queries tokens of each eval are kept
+    // (per paged layer) for relevance scoring; 0 disables.
+    int32_t capture_queries = 1;
+    // Keep per-chunk key summaries (min, max, mean of post-RoPE K per paged layer),
+    // computed when a chunk seals while it is still resident (the qk policy).
+    bool chunk_summaries = false;
 };
+
+enum class QKMode { MEAN = 0, BOUND = 1 };
 
 struct RuntimeStats {
     int64_t n_eval_calls = 0, n_tokens_evaluated = 0;
@@ -133,6 +141,20 @@ public:
     // Precondition: chunk resident.  (Used by the qk policy's chunk summaries.)
     void chunk_keys(int32_t c, int32_t il, float *out) const;
 
+    // Captured queries of the last eval: [n_paged][n_captured][n_head][head_dim], post-RoPE,
+    // for positions n_past - n_captured .. n_past - 1.
+    int32_t n_captured() const { return n_captured_; }
+    const std::vector<float> &captured_queries() const { return captured_q_; }
+    // Score chunks [0, n) against the last captured query: per paged layer the max
+    // over query heads of q . summary (MEAN: the chunk's L2-normalised mean key;
+    // BOUND: sum_d max(q_d min_d, q_d max_d), an upper bound of q . k over the chunk),
+    // then the mean over layers.  Chunks without a summary score +inf (not yet sealed).
+    void qk_scores(QKMode mode, float *out, int32_t n) const;
+    // Attention paid to each position by the captured queries: per layer and head a
+    // softmax over the visible positions, averaged over the queries; max over heads
+    // and layers.  out[p] for p < n (0 for positions not visible/resident).
+    void attention_scores(float *out, int64_t n) const;
+
 private:
     struct Graph;
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
@@ -156,6 +178,12 @@ private:
     int64_t decode_mask_epoch_ = -1;
     int64_t n_past_ = 0;
     RuntimeStats stats_;
+    std::vector<float> captured_q_;
+    int32_t n_captured_ = 0;
+    // chunk summaries: [n_chunks][n_paged][n_embd_k] each
+    std::vector<float> summ_min_, summ_max_, summ_mean_;
+    std::vector<uint8_t> summ_ready_;
+    void summarize_sealed(int64_t pos0, int32_t n);
 };
 
 }  // namespace kvflash

@@ -129,6 +129,7 @@ public:
     bool is_dirty(int32_t c) const { return dirty_[c] != 0; }
     bool is_protected(int32_t c) const;
     bool is_materialised(int32_t c) const { return n_written_[c] > 0; }
+    int32_t n_written(int32_t c) const { return n_written_[c]; }
     int64_t head_chunk() const { return head_; }
     const std::vector<float> &scores() const { return score_; }
     bool has_scores() const { return has_scores_; }

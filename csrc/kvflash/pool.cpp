@@ -2,6 +2,10 @@
 
 #include <stdexcept>
 
+#ifdef KVFLASH_WITH_CUDA
+#include "cuda/copy_engine.h"
+#endif
+
 namespace kvflash {
 
 ggml_type kv_type_from_name(const std::string &name) {
@@ -48,6 +52,7 @@ KVPool::KVPool(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_t
 }
 
 KVPool::~KVPool() {
+    mover_.reset();  // its destructor waits for queued copies into buf_
     if (buf_) ggml_backend_buffer_free(buf_);
     if (ctx_) ggml_free(ctx_);
 }
@@ -56,7 +61,12 @@ size_t KVPool::bytes() const { return ggml_backend_buffer_get_size(buf_); }
 
 bool KVPool::host_accessible() const { return ggml_backend_buffer_is_host(buf_); }
 
+void KVPool::fence() {
+    if (mover_) mover_->fence();
+}
+
 void KVPool::page_out(int32_t block, uint8_t *dst) {
+    if (mover_) return mover_->page_out(block, dst);
     // precondition: 0 <= block < pool_tokens / chunk_tokens
     for (size_t i = 0; i < k_.size(); ++i) {
         const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
@@ -68,6 +78,7 @@ void KVPool::page_out(int32_t block, uint8_t *dst) {
 }
 
 void KVPool::page_in(int32_t block, const uint8_t *src) {
+    if (mover_) return mover_->page_in(block, src);
     for (size_t i = 0; i < k_.size(); ++i) {
         const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
         ggml_backend_tensor_set(k_[i], src, size_t(block) * nk, nk);
@@ -81,7 +92,20 @@ PagedCache::PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers
                        ggml_type type_v, PagerConfig cfg, HostStore::Backing backing, std::string host_path) {
     cfg.validate();  // rounds the pool before the tensors are sized
     pool = std::make_unique<KVPool>(backend, std::move(layers), type_k, type_v, cfg.pool_tokens, cfg.chunk_tokens);
-    pager = std::make_unique<Pager>(cfg, pool.get(), backing, std::move(host_path));
+    HostAllocator host_alloc;  // default: plain aligned memory
+#ifdef KVFLASH_WITH_CUDA
+    // A pool in device memory pages through the async copy engine into a pinned slab.
+    if (!pool->host_accessible()) {
+        pool->set_mover(cuda::make_pool_mover(*pool));
+        host_alloc = cuda::pinned_host_allocator();
+    }
+#endif
+    pager = std::make_unique<Pager>(cfg, pool.get(), backing, std::move(host_path), host_alloc);
+}
+
+PagedCache::~PagedCache() {
+    if (pool) pool->fence();
+    pager.reset();  // frees the host store while the pool (and its mover) still exist
 }
 
 }  // namespace kvflash

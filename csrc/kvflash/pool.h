@@ -49,8 +49,19 @@ public:
     size_t chunk_bytes() const override { return chunk_bytes_; }
     void page_out(int32_t block, uint8_t *dst) override;
     void page_in(int32_t block, const uint8_t *src) override;
+    void fence() override;
+
+    ggml_backend_t backend() const { return backend_; }
+    int32_t chunk_tokens() const { return chunk_tokens_; }
+    // Hook for a device mover (the CUDA build's async CudaChunkMover): when set,
+    // page_out/page_in/fence delegate to it; when not (the CPU path), chunks move
+    // with synchronous ggml_backend_tensor_get/set as before.  The pool owns it
+    // and drops it before its buffer.
+    void set_mover(std::unique_ptr<ChunkMover> mover) { mover_ = std::move(mover); }
+    ChunkMover *mover() const { return mover_.get(); }
 
 private:
+    std::unique_ptr<ChunkMover> mover_;
     ggml_backend_t backend_;
     std::vector<PoolLayerSpec> layers_;
     int32_t pool_tokens_, chunk_tokens_;
@@ -64,6 +75,8 @@ private:
 struct PagedCache {
     PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
                PagerConfig cfg, HostStore::Backing backing = HostStore::Backing::RAM, std::string host_path = "");
+    // Fences the pool's mover first: no async copy may outlive the host store.
+    ~PagedCache();
     std::unique_ptr<KVPool> pool;
     std::unique_ptr<Pager> pager;
 };

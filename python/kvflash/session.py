@@ -156,7 +156,8 @@ class Session:
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
                                      host_path=None if host_path is None else str(host_path),
-                                     seed=0 if seed is None else int(seed))
+                                     seed=0 if seed is None else int(seed),
+                                     chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)))
         self.seed = seed
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
@@ -178,13 +179,8 @@ class Session:
             if policy == "lru":
                 return LRUPolicy()
             if policy in ("drafter", "qk"):
-                try:
-                    from . import scoring  # the scored policies live beside their scorers
-                except ImportError:
-                    scoring = None
+                from . import scoring  # the scored policies live beside their scorers
                 if policy == "qk":
-                    if scoring is None:
-                        raise ValueError("policy 'qk' is not available in this build yet; use 'lru'")
                     return scoring.QKPolicy()
                 path = None
                 if drafter is not None:
@@ -194,9 +190,6 @@ class Session:
                 if path is None:
                     self._policy_note = " (no drafter found next to the model: falling back to LRU)"
                     return LRUPolicy()
-                if scoring is None:
-                    raise ValueError(f"drafter {path} found, but the drafter policy is not available in this "
-                                     f"build yet; use policy='lru'")
                 return scoring.DrafterPolicy(path, threads=self.threads)
             raise ValueError(f"unknown policy {policy!r}: use 'drafter', 'lru', 'qk' or an object with "
                              f"score(view)")

@@ -1,0 +1,224 @@
+"""`python -m kvflash.bench ROUTINE [options]` (also `kvflash bench ...`): argument parsing and presets."""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .common import BenchConfig, log, machine_info
+
+ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle"]
+ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "ab"]
+
+# Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
+PRESETS = {
+    # < 5 minutes on 2 cores from a fresh install (model download included) for `ab`.
+    "quick": {
+        "*": dict(pools=[512], repeats=2, decode_steps=16, needles=2, depths=[10, 90], contexts=[1024, 2048]),
+        "decode": dict(contexts=[512, 1024, 2048]),
+        "memory": dict(contexts=[1024, 2048, 8192, 32768]),
+        "paging": dict(repeats=2),
+        "needle": dict(),
+        "ab": dict(),
+    },
+    # The committed results (bench/results/): the figures of the model-runtime issue.
+    "standard": {
+        "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
+        "decode": dict(contexts=[1024, 2048, 4096, 8192, 16384, 32768], repeats=5),
+        "prefill": dict(contexts=[2048, 8192, 16384], repeats=2),
+        "memory": dict(contexts=[2048, 8192, 16384, 32768, 65536, 131072], pools=[512, 2048]),
+        "paging": dict(pools=[512, 2048], repeats=5),
+        "needle": dict(contexts=[4096, 8192], pools=[1024, 2048], needles=16),
+        "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=4),
+    },
+    # Long contexts: for machines with time to spare (hours on 2 cores).
+    "long": {
+        "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
+        "decode": dict(contexts=[2048, 8192, 32768, 65536, 131072], pools=[2048, 4096]),
+        "prefill": dict(contexts=[16384, 32768, 65536], repeats=1),
+        "memory": dict(contexts=[8192, 32768, 131072, 262144], pools=[2048, 4096]),
+        "paging": dict(pools=[2048, 4096], repeats=5),
+        "needle": dict(contexts=[8192, 16384, 32768], pools=[2048, 4096], needles=16),
+        "ab": dict(contexts=[32768, 65536, 131072], needles=8),
+    },
+}
+
+
+def _int_list(s: str) -> list:
+    out = []
+    for part in s.replace(" ", "").split(","):
+        if not part:
+            continue
+        mult = 1
+        if part[-1] in "kK":
+            mult, part = 1024, part[:-1]
+        try:
+            v = int(float(part) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers (1024 or 1K), got {s!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"values must be positive, got {v}")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return out
+
+
+def _str_list(s: str) -> list:
+    return [x for x in s.replace(" ", "").split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvflash.bench",
+        description="kvflash bench: full cache vs the paged KV pool, measured in one run. Results go to stdout "
+                    "(markdown by default), progress to stderr.",
+        epilog="main job: python -m kvflash.bench ab --preset quick    "
+               "committed results: python -m kvflash.bench all --preset standard --out bench/results --plot")
+    p.add_argument("routine", nargs="?", default="ab", choices=ROUTINE_NAMES + ["all", "plot"],
+                   help="what to measure (default ab); 'all' runs every routine; "
+                        "'plot' redraws PNGs from a results.json given with --from")
+    p.add_argument("--preset", choices=list(PRESETS), default="quick",
+                   help="sizes for contexts, repeats and trials (default quick)")
+    p.add_argument("--model", "-m", default="smollm2-135m", help="model name or GGUF path (default smollm2-135m)")
+    p.add_argument("--threads", "-t", type=int, help="compute threads (default: physical cores)")
+    p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
+    p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
+    p.add_argument("--policy", default="drafter",
+                   help="kvflash policy for decode/prefill/ab: drafter (falls back to lru without one), lru, qk")
+    p.add_argument("--policies", type=_str_list, default=["lru", "drafter", "qk"],
+                   help="policies compared by the needle routine (default lru,drafter,qk)")
+    p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
+    p.add_argument("--tau", type=int, default=64, help="decoded tokens between rescores (default 64)")
+    p.add_argument("--repeats", "-r", type=int, help="repeats per measurement (medians with min/max)")
+    p.add_argument("--contexts", "-c", type=_int_list, help="context lengths, comma list (1024 or 1K)")
+    p.add_argument("--steps", type=int, dest="decode_steps", help="decode steps timed per repeat")
+    p.add_argument("--needles", type=int, help="needle trials per cell")
+    p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
+    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
+    p.add_argument("--out", type=Path, help="also write table.md, results.json, rows.csv, raw.csv, config.json "
+                                            "and machine.json (and the PNGs with --plot) into this folder")
+    p.add_argument("--plot", action="store_true", help="write PNG plots (needs matplotlib) to --out or ./bench-plots")
+    p.add_argument("--from", dest="from_", type=Path, help="with 'plot': a results.json (or its folder)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (implied by -o json)")
+    return p
+
+
+def config_for(args, routine: str) -> BenchConfig:
+    cfg = BenchConfig(routine=routine, preset=args.preset)
+    preset = PRESETS[args.preset]
+    for src in (preset.get("*", {}), preset.get(routine, {})):
+        for k, v in src.items():
+            setattr(cfg, k, copy.deepcopy(v))
+    cfg.model = args.model
+    cfg.threads = args.threads
+    cfg.kv_type = args.kv_type
+    cfg.policy = args.policy
+    cfg.policies = args.policies
+    cfg.drafter = args.drafter
+    cfg.tau = args.tau
+    cfg.seed = args.seed
+    for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
+                    ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths")]:
+        v = getattr(args, k)
+        if v is not None:
+            setattr(cfg, attr, v)
+    cfg.quiet = args.quiet or args.output == "json"
+    return cfg
+
+
+def _validate(p: argparse.ArgumentParser, args) -> None:
+    for k in ("threads", "repeats", "decode_steps", "needles", "tau"):
+        v = getattr(args, k)
+        if v is not None and v < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    if args.depths and any(d > 100 for d in args.depths):
+        p.error("--depths are percentages in 1..100")
+    bad = [x for x in args.policies if x not in ("lru", "drafter", "qk")]
+    if bad:
+        p.error(f"--policies: unknown {bad}; use lru, drafter, qk")
+    if args.policy not in ("lru", "drafter", "qk"):
+        p.error(f"--policy must be lru, drafter or qk, got {args.policy!r}")
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _validate(p, args)
+    from . import report
+
+    if args.routine == "plot":
+        src = args.from_ or Path("bench/results")
+        if src.is_dir():
+            src = src / "results.json"
+        if not src.is_file():
+            p.error(f"plot: no results.json at {src}")
+        results, config, machine = report.load_results(src)
+        return _plot(results, args.out or src.parent, machine)
+
+    from .routines import ROUTINES
+    names = ALL_ORDER if args.routine == "all" else [args.routine]
+    cfgs = [config_for(args, n) for n in names]
+    quiet = cfgs[0].quiet
+    t0 = time.perf_counter()
+    machine = machine_info()
+    results = []
+    try:
+        for cfg in cfgs:
+            log(cfg, f"[bench] {cfg.routine}: preset {cfg.preset}, model {cfg.model}, pools {cfg.pools}, "
+                     f"contexts {cfg.contexts}, repeats {cfg.repeats}")
+            t1 = time.perf_counter()
+            results.append(ROUTINES[cfg.routine](cfg))
+            log(cfg, f"[bench] {cfg.routine} took {time.perf_counter() - t1:.1f}s")
+    except KeyboardInterrupt:
+        print("[bench] interrupted: printing what was measured", file=sys.stderr)
+        if not results:
+            return 130
+    except Exception as e:  # a clear one-line reason, not a traceback, for expected failures
+        if isinstance(e, (ValueError, FileNotFoundError, RuntimeError)) and not args.debug:
+            print(f"[bench] error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        raise
+    elapsed = time.perf_counter() - t0
+    threads_used = None
+    for r in results:
+        for row in r.rows:
+            if row.get("threads"):
+                threads_used = row["threads"]
+                break
+    config = {"argv": list(sys.argv[1:] if argv is None else argv), "routine": args.routine,
+              "preset": args.preset, "threads_used": threads_used, "elapsed_s": round(elapsed, 1),
+              "routines": {c.routine: {k: v for k, v in dataclasses.asdict(c).items() if k != "quiet"} for c in cfgs}}
+    first = dataclasses.asdict(cfgs[0])
+    for k in ("model", "threads", "kv_type", "policy", "drafter", "tau", "seed"):
+        config[k] = first[k]
+    sys.stdout.write(report.render(args.output, results, config, machine))
+    sys.stdout.flush()
+    if args.out:
+        files = report.write_out(args.out, results, config, machine)
+        if not quiet:
+            print(f"[bench] wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    rc = 0
+    if args.plot:
+        rc = _plot(results, args.out or Path("bench-plots"), machine, quiet=quiet)
+    if not quiet:
+        print(f"[bench] total {elapsed:.1f}s", file=sys.stderr)
+    return rc
+
+
+def _plot(results, folder: Path, machine: dict, quiet: bool = False) -> int:
+    from .plots import PlotUnavailable, plot_all
+    try:
+        files = plot_all(results, folder, title_suffix=f" ({machine.get('cpu', '')}, ggml {machine.get('ggml_version', '')})")
+    except PlotUnavailable as e:
+        print(f"[bench] {e}", file=sys.stderr)
+        return 3
+    if not quiet:
+        print(f"[bench] plots: {', '.join(str(f) for f in files) or 'none (no plottable routine)'}", file=sys.stderr)
+    return 0

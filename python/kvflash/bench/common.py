@@ -1,0 +1,306 @@
+"""Shared pieces of the bench: configuration, statistics, progress, machine info, sessions."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+MIB = 2**20
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclasses.dataclass
+class BenchConfig:
+    """Everything a routine needs; written beside every result (STYLE 9: full config with each row)."""
+
+    routine: str = "ab"
+    preset: str = "quick"
+    model: str = "smollm2-135m"
+    threads: Optional[int] = None
+    kv_type: str = "q8_0"
+    pools: list = dataclasses.field(default_factory=lambda: [512])
+    policy: str = "drafter"            # kvflash policy for decode/prefill/ab
+    policies: list = dataclasses.field(default_factory=lambda: ["lru", "drafter", "qk"])  # needle columns
+    drafter: Optional[str] = None
+    tau: int = 64
+    repeats: int = 2
+    contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
+    decode_steps: int = 16
+    needles: int = 2
+    depths: list = dataclasses.field(default_factory=lambda: [10, 50, 90])
+    answer_tokens: int = 12
+    seed: int = 1234
+    quiet: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- statistics
+def summarize(xs: Iterable[float]) -> dict:
+    """Median, min, max and count of repeated measurements (never a single run reported as exact)."""
+    v = [float(x) for x in xs if x is not None]
+    if not v:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def is_stat(v: Any) -> bool:
+    return isinstance(v, dict) and "median" in v and "n" in v
+
+
+def fmt_num(x: Optional[float], digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    ax = abs(x)
+    if ax >= 100:
+        return f"{x:.1f}"
+    if ax >= 1 or ax == 0:
+        return f"{x:.{digits}f}"
+    return f"{x:.{digits + 1}g}" if ax >= 1e-3 else f"{x:.2e}"
+
+
+def fmt_stat(s: dict) -> str:
+    """'median ± d' where d is the largest distance from the median to min or max."""
+    if s.get("median") is None:
+        return "-"
+    m = s["median"]
+    if s["n"] <= 1:
+        return fmt_num(m)
+    d = max(s["max"] - m, m - s["min"])
+    return f"{fmt_num(m)} ± {fmt_num(d)}"
+
+
+# ----------------------------------------------------------------------------- progress
+class Progress:
+    """A progress bar on stderr: rich if installed, else tqdm, else a plain line; silent when quiet."""
+
+    def __init__(self, total: int, desc: str, quiet: bool = False):
+        self.total, self.desc, self.quiet, self.n = max(1, total), desc, quiet, 0
+        self._rich = self._tqdm = None
+        self._t0 = time.perf_counter()
+        if quiet:
+            return
+        try:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP, TextColumn,
+                                       TimeElapsedColumn)
+            self._rich = RP(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
+                            console=_rich_console(), transient=False)
+            self._rich.start()
+            self._task = self._rich.add_task(desc, total=self.total, note="")
+            return
+        except ImportError:
+            pass
+        try:
+            from tqdm import tqdm
+            self._tqdm = tqdm(total=self.total, desc=desc, file=sys.stderr, leave=True, dynamic_ncols=True)
+        except ImportError:
+            self._line("")
+
+    def _line(self, note: str, end: str = "\r") -> None:
+        el = time.perf_counter() - self._t0
+        sys.stderr.write(f"{self.desc}: {self.n}/{self.total} [{el:6.1f}s] {note}\x1b[K{end}")
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, note=text)
+        elif self._tqdm is not None:
+            self._tqdm.set_postfix_str(text, refresh=True)
+        else:
+            self._line(text)
+
+    def advance(self, k: int = 1, note: str = "") -> None:
+        self.n += k
+        if self.quiet:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, advance=k, note=note)
+        elif self._tqdm is not None:
+            self._tqdm.update(k)
+            if note:
+                self._tqdm.set_postfix_str(note, refresh=True)
+        else:
+            self._line(note)
+
+    def close(self) -> None:
+        if self.quiet:
+            return
+        if self._rich is not None:
+            self._rich.stop()
+        elif self._tqdm is not None:
+            self._tqdm.close()
+        else:
+            self._line("done", end="\n")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _rich_console():
+    from rich.console import Console
+    return Console(file=sys.stderr)
+
+
+def log(cfg: BenchConfig, msg: str) -> None:
+    """A line of narration on stderr (never stdout, which carries only results)."""
+    if not cfg.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- machine
+def cpu_model() -> str:
+    try:
+        import cpuinfo  # py-cpuinfo, when installed
+        brand = cpuinfo.get_cpu_info().get("brand_raw")
+        if brand:
+            return brand
+    except Exception:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import kvflash
+    from kvflash.session import available_ram, physical_cores
+    from kvflash import _core
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    mem_total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_model(),
+        "physical_cores": physical_cores(),
+        "logical_cpus": os.cpu_count(),
+        "ram_total_gib": None if mem_total is None else round(mem_total / 2**30, 1),
+        "ram_available_gib": round(available_ram() / 2**30, 1),
+        "backend": getattr(_core, "backend", "CPU"),
+        "ggml_version": kvflash.ggml_version,
+        "ggml_commit": kvflash.ggml_commit,
+        "kvflash_version": kvflash.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "os": platform.platform(),
+        "loadavg_at_start": None if load is None else [round(x, 2) for x in load],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ----------------------------------------------------------------------------- sessions
+class Unavailable(Exception):
+    """A cell that cannot be measured in this build (reported as n/a with the reason)."""
+
+
+def model_label(model: str) -> str:
+    return Path(model).stem if os.sep in model or model.endswith(".gguf") else model
+
+
+def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy: str = "lru"):
+    """A Session for one mode: pool=None is the full cache.  Raises Unavailable with the reason
+    for policies this build lacks; a drafter that falls back to LRU is returned with .fallback set."""
+    import kvflash
+    from kvflash.models import resolve_model
+    kw = dict(model=cfg.model, max_ctx=max_ctx, kvflash=pool, kv_type=cfg.kv_type, threads=cfg.threads,
+              tau=cfg.tau, seed=cfg.seed, verbose=False)
+    n_train = _n_ctx_train(cfg)
+    if max_ctx > n_train:
+        kw["allow_long_ctx"] = True
+    if pool is None:
+        kw["policy"] = "lru"
+    else:
+        kw["policy"] = policy
+        if policy == "drafter" and cfg.drafter:
+            kw["drafter"] = cfg.drafter
+    try:
+        s = kvflash.Session(**kw)
+    except ValueError as e:
+        msg = str(e)
+        if "not available" in msg or "unknown policy" in msg:
+            raise Unavailable(msg) from None
+        raise
+    s.bench_fallback = pool is not None and policy != s.policy.name
+    return s
+
+
+_N_TRAIN: dict = {}
+
+
+def _n_ctx_train(cfg: BenchConfig) -> int:
+    if cfg.model not in _N_TRAIN:
+        import kvflash
+        from kvflash.models import resolve_model
+        m = kvflash.Model(str(resolve_model(cfg.model)), 1)
+        _N_TRAIN[cfg.model] = int(m.hparams["n_ctx_train"])
+    return _N_TRAIN[cfg.model]
+
+
+def mode_label(pool: Optional[int], policy: Optional[str] = None) -> str:
+    return "full" if pool is None else f"kvflash-{policy}" if policy else "kvflash"
+
+
+def haystack_text() -> str:
+    return (HERE / "haystack.txt").read_text(encoding="utf-8")
+
+
+_TEXT_TOKENS: dict = {}
+
+
+def text_tokens(session, n: int) -> np.ndarray:
+    """n token ids of natural text (the haystack, wrapped around when longer)."""
+    key = str(session.model_path)
+    toks = _TEXT_TOKENS.get(key)
+    if toks is None:
+        toks = np.asarray(session.tokenize(haystack_text(), add_special=False), dtype=np.int32)
+        _TEXT_TOKENS[key] = toks
+    reps = -(-n // len(toks))
+    return np.tile(toks, reps)[:n] if reps > 1 else toks[:n].copy()
+
+
+def decode_steps(session, n: int) -> tuple[float, float]:
+    """Decode n tokens greedily through the public generate() (so a scored policy's rescoring is
+    paid for, as a user would pay it); returns (wall seconds, native compute ms)."""
+    c0 = session.runtime.timings["compute_ms"]
+    t0 = time.perf_counter()
+    for _ in session.generate(None, max_tokens=n, temperature=0.0, ignore_eos=True):
+        pass
+    dt = time.perf_counter() - t0
+    return dt, session.runtime.timings["compute_ms"] - c0
+
+
+def kv_resident_bytes(session) -> int:
+    return int(session.runtime.pool_bytes + session.runtime.swa_bytes)
+
+
+def ctx_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)

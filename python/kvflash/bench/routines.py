@@ -1,0 +1,567 @@
+"""The bench routines.  Each takes a BenchConfig and returns a report.Result.
+
+Every comparison is made inside one run, interleaved (full then kvflash, the order alternating per
+repeat), so drift of a shared machine hits both sides; spreads are printed, never hidden.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .common import (MIB, BenchConfig, Progress, Unavailable, ctx_label, decode_steps, kv_resident_bytes, log,
+                     model_label, open_session, summarize, text_tokens)
+from .needle import NeedleBuilder, score
+from .report import Result
+
+BASE_COLS = [("model", "model"), ("threads", "threads"), ("kv_type", "kv")]
+
+
+def _base(cfg: BenchConfig, s=None) -> dict:
+    return {"model": model_label(cfg.model), "threads": s.threads if s is not None else cfg.threads,
+            "kv_type": cfg.kv_type}
+
+
+def _modes(cfg: BenchConfig) -> list:
+    """(label, pool, policy) for decode/prefill/ab: the full cache, then kvflash per pool."""
+    return [("full", None, None)] + [("kvflash", p, cfg.policy) for p in cfg.pools]
+
+
+def _long_note(cfg: BenchConfig, max_ctx: int) -> Optional[str]:
+    from .common import _n_ctx_train
+    n = _n_ctx_train(cfg)
+    if max_ctx > n:
+        return (f"contexts above the model's trained {n} tokens run with allow_long_ctx=True: positions past "
+                f"the trained range change the text, not the cost, so speed and memory are valid there")
+    return None
+
+
+def _policy_note(sessions: dict) -> list:
+    notes = []
+    for (label, pool, pol), s in sessions.items():
+        if s is not None and getattr(s, "bench_fallback", False):
+            notes.append(f"pool {pool}: policy {pol!r} ran as {s.policy.name!r} — {s.banner.splitlines()[0]}")
+    return notes
+
+
+def _ratio(a: Optional[dict], b: Optional[dict]) -> Optional[str]:
+    if not a or not b or a.get("median") in (None, 0) or b.get("median") in (None, 0):
+        return None
+    return f"{a['median'] / b['median']:.2f}x"
+
+
+# ----------------------------------------------------------------------------- decode
+def run_decode(cfg: BenchConfig) -> Result:
+    """Decode tok/s vs context: one growing session per mode, extended to each context in turn
+    (cheaper than a fresh prefill per context and per repeat; decode cost depends only on the
+    cache's occupied extent, which is the same either way)."""
+    ctxs = sorted(set(cfg.contexts))
+    margin = cfg.repeats * cfg.decode_steps + 64
+    max_ctx = max(ctxs) + margin
+    modes = _modes(cfg)
+    sessions, na = {}, {}
+    for m in modes:
+        try:
+            sessions[m] = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
+        except Unavailable as e:
+            na[m] = str(e)
+    live = [m for m in modes if m in sessions]
+    any_s = next(iter(sessions.values()))
+    toks = text_tokens(any_s, max_ctx)
+    res = Result("decode", f"decode tok/s vs context ({cfg.decode_steps} greedy steps per repeat, "
+                 f"median ± spread of {cfg.repeats})",
+                 BASE_COLS + [("pool", "pool"), ("policy", "policy"), ("context", "context"),
+                              ("decode_tok_s", "decode tok/s"), ("compute_ms_tok", "compute ms/tok"),
+                              ("kv_resident_mib", "KV resident MiB"), ("host_mib", "host MiB"),
+                              ("vs_full", "vs full")])
+    with Progress(len(ctxs) * len(live) * (1 + cfg.repeats), "decode", cfg.quiet) as pb:
+        for D in ctxs:
+            for m in live:
+                s = sessions[m]
+                while s.n_past < D:
+                    k = min(512, D - s.n_past)
+                    s.prefill(toks[s.n_past:s.n_past + k])
+                    pb.note(f"prefill {m[0]}{'' if m[1] is None else m[1]} {s.n_past}/{D}")
+                pb.advance(1)
+            for r in range(cfg.repeats):
+                order = live if r % 2 == 0 else list(reversed(live))
+                for m in order:
+                    s = sessions[m]
+                    ctx0 = s.n_past
+                    pb.note(f"{ctx_label(D)} {m[0]}: timing")
+                    dt, cms = decode_steps(s, cfg.decode_steps)
+                    st = s.stats
+                    res.raw.append({**_base(cfg, s), "mode": m[0], "pool": m[1], "policy": s.policy.name,
+                                    "context": D, "n_past_start": ctx0, "repeat": r, "steps": cfg.decode_steps,
+                                    "seconds": dt, "tok_s": cfg.decode_steps / dt,
+                                    "compute_ms": cms, "kv_resident_bytes": kv_resident_bytes(s),
+                                    "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"],
+                                    "page_ins": st["page_ins"], "rescores": st["rescores"]})
+                    pb.advance(1, note=f"{ctx_label(D)} {m[0]} {cfg.decode_steps / dt:.1f} tok/s")
+    for D in ctxs:
+        full_stat = None
+        for m in modes:
+            row = {**_base(cfg, any_s), "mode": m[0], "pool": "-" if m[1] is None else m[1],
+                   "policy": "-" if m[1] is None else (m[2] or "lru"), "context": D}
+            if m in na:
+                row.update(decode_tok_s=f"n/a: {na[m]}")
+                res.rows.append(row)
+                continue
+            rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]]
+            tok = summarize(x["tok_s"] for x in rr)
+            row.update(policy="-" if m[1] is None else rr[-1]["policy"], decode_tok_s=tok,
+                       compute_ms_tok=summarize(x["compute_ms"] / x["steps"] for x in rr),
+                       kv_resident_mib=rr[-1]["kv_resident_bytes"] / MIB, host_mib=rr[-1]["host_bytes"] / MIB)
+            if m[1] is None:
+                full_stat = tok
+                row["vs_full"] = "1.00x"
+            else:
+                row["vs_full"] = _ratio(tok, full_stat)
+            res.rows.append(row)
+    res.notes += [f"modes run interleaved per repeat (order reversed on odd repeats); one growing session per "
+                  f"mode; natural-text tokens; max_ctx {max_ctx}",
+                  "full cache's KV resident = its allocation at this run's max_ctx; see `memory` for the ledger "
+                  "at each context"]
+    for pool in cfg.pools:
+        a = [r for r in res.rows if r["mode"] == "kvflash" and r["pool"] == pool and isinstance(r.get("decode_tok_s"), dict)]
+        if len(a) >= 2:
+            lo, hi = a[0], a[-1]
+            res.notes.append(f"pool {pool}: decode at {ctx_label(hi['context'])} ÷ at {ctx_label(lo['context'])} = "
+                             f"{_ratio(hi['decode_tok_s'], lo['decode_tok_s'])} (flat = 1.00x)")
+    res.notes += _policy_note(sessions) + [f"n/a {m[0]} pool {m[1]}: {why}" for m, why in na.items()]
+    if (n := _long_note(cfg, max_ctx)):
+        res.notes.append(n)
+    return res
+
+
+# ----------------------------------------------------------------------------- prefill
+def run_prefill(cfg: BenchConfig) -> Result:
+    """Fresh prefill of a D-token natural-text prompt: full cache vs pooled (kvflash) prefill."""
+    ctxs = sorted(set(cfg.contexts))
+    max_ctx = max(ctxs)
+    modes = _modes(cfg)
+    sessions, na = {}, {}
+    for m in modes:
+        try:
+            sessions[m] = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
+        except Unavailable as e:
+            na[m] = str(e)
+    live = [m for m in modes if m in sessions]
+    any_s = next(iter(sessions.values()))
+    toks = text_tokens(any_s, max_ctx)
+    res = Result("prefill", f"prefill seconds per context (fresh prompt, median ± spread of {cfg.repeats})",
+                 BASE_COLS + [("pool", "pool"), ("context", "context"), ("prefill_s", "prefill s"),
+                              ("prefill_tok_s", "prefill tok/s"), ("kv_resident_mib", "KV resident MiB"),
+                              ("host_mib", "host MiB"), ("speedup", "speedup vs full")])
+    work = sum(D for D in ctxs) * cfg.repeats * len(live)
+    with Progress(work, "prefill", cfg.quiet) as pb:
+        for D in ctxs:
+            for r in range(cfg.repeats):
+                for m in (live if r % 2 == 0 else list(reversed(live))):
+                    s = sessions[m]
+                    s.reset()
+                    pb.note(f"{ctx_label(D)} {m[0]}{'' if m[1] is None else m[1]}")
+                    t0 = time.perf_counter()
+                    s.prefill(toks[:D])
+                    dt = time.perf_counter() - t0
+                    st = s.stats
+                    res.raw.append({**_base(cfg, s), "mode": m[0], "pool": m[1], "context": D, "repeat": r,
+                                    "seconds": dt, "kv_resident_bytes": kv_resident_bytes(s),
+                                    "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"]})
+                    pb.advance(D, note=f"{ctx_label(D)} {m[0]} {dt:.1f}s")
+    for D in ctxs:
+        full = None
+        for m in modes:
+            row = {**_base(cfg, any_s), "mode": m[0], "pool": "-" if m[1] is None else m[1], "context": D}
+            if m in na:
+                row["prefill_s"] = f"n/a: {na[m]}"
+                res.rows.append(row)
+                continue
+            rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]]
+            sec = summarize(x["seconds"] for x in rr)
+            row.update(prefill_s=sec, prefill_tok_s=summarize(D / x["seconds"] for x in rr),
+                       kv_resident_mib=rr[-1]["kv_resident_bytes"] / MIB, host_mib=rr[-1]["host_bytes"] / MIB)
+            if m[1] is None:
+                full, row["speedup"] = sec, "1.00x"
+            else:
+                row["speedup"] = _ratio(full, sec)
+            res.rows.append(row)
+    res.notes.append("a prompt longer than the pool prefills in 64-token pieces with live eviction; "
+                     f"the full cache is allocated at max_ctx {max_ctx} and attends over its occupied extent")
+    if (n := _long_note(cfg, max_ctx)):
+        res.notes.append(n)
+    return res
+
+
+# ----------------------------------------------------------------------------- memory
+def run_memory(cfg: BenchConfig) -> Result:
+    """The KV ledger per context.  Resident bytes are the allocations (full cache at max_ctx = context,
+    kvflash at the pool); host bytes are measured by driving each session's pager through the
+    context's positions — the same allocations a prefill makes, without the model compute (`decode`,
+    `prefill` and `ab` report the same stats after real prefills)."""
+    import kvflash
+    ctxs = sorted(set(cfg.contexts))
+    res = Result("memory", "KV memory ledger per context",
+                 BASE_COLS + [("mode", "mode"), ("pool", "pool"), ("context", "context"),
+                              ("kv_resident_mib", "KV resident MiB"), ("host_mib", "host MiB"),
+                              ("resident_pct", "residency %"), ("bytes_per_token", "KV B/token"),
+                              ("bytes_per_chunk", "B/chunk"), ("resident_b_per_ctx_token", "resident B/ctx token"),
+                              ("vs_full", "resident vs full")])
+    work = len(ctxs) * (2 + len(cfg.pools))
+    autos = []
+    with Progress(work, "memory", cfg.quiet) as pb:
+        for D in ctxs:
+            full_b = None
+            for label, pool in [("full", None)] + [("kvflash", p) for p in cfg.pools] + [("kvflash auto", "auto")]:
+                if pool not in (None, "auto") and pool >= D:
+                    pb.advance(1)
+                    continue
+                try:
+                    s = open_session(cfg, max_ctx=D, pool=pool, policy=cfg.policy if pool == "auto" else "lru")
+                except Unavailable:
+                    s = open_session(cfg, max_ctx=D, pool=pool, policy="lru")
+                pg = s.runtime.pager
+                chunk_b = pg.chunk_bytes
+                C = pg.chunk_tokens
+                if s.kvflash:
+                    for c0 in range(0, D, C):
+                        if pg.alloc_span(c0, min(C, D - c0)) is None:
+                            raise RuntimeError(f"pager had no room at position {c0} (pool {pool}, context {D})")
+                st = s.stats
+                res_b = kv_resident_bytes(s)
+                if label == "full":
+                    full_b = res_b
+                row = {**_base(cfg, s), "mode": label, "pool": "-" if pool is None else s.runtime.pool_tokens,
+                       "context": D, "kv_resident_mib": res_b / MIB, "host_mib": st["host_kv_mib"],
+                       "resident_pct": f"{100.0 * min(1.0, s.runtime.pool_tokens / D) if s.kvflash else 100.0:.1f}",
+                       "bytes_per_token": chunk_b // C if chunk_b % C == 0 else chunk_b / C, "bytes_per_chunk": chunk_b,
+                       "resident_b_per_ctx_token": round(res_b / D),
+                       "vs_full": None if full_b is None else f"{res_b / full_b:.3f}x"}
+                if pool == "auto":
+                    row["mode"] = "kvflash auto" if s.kvflash else "auto → full"
+                    autos.append(f"auto at {ctx_label(D)}: pool {s.runtime.pool_tokens if s.kvflash else 'full'}"
+                                 f" — {s.auto_reason or 'n/a'}")
+                res.rows.append(row)
+                res.raw.append({**row, "pager_stats": pg.stats, "pool_bytes": s.runtime.pool_bytes,
+                                "swa_bytes": s.runtime.swa_bytes, "auto_reason": s.auto_reason})
+                pb.advance(1, note=f"{ctx_label(D)} {label}")
+                del s
+    res.notes += ["resident = pool_bytes + swa_bytes (all paged and sliding-window KV the device holds); "
+                  "host = bytes held in the host store after the context's positions were written",
+                  "pools ≥ the context are skipped (they equal the full cache)"] + autos
+    if (n := _long_note(cfg, max(ctxs))):
+        res.notes.append(n)
+    return res
+
+
+# ----------------------------------------------------------------------------- paging
+def _bench_pager_module():
+    """A colleague's bench/bench_pager.py, when this runs from a source checkout that has it."""
+    cands = [os.environ.get("KVFLASH_BENCH_PAGER")]
+    here = Path(__file__).resolve()
+    cands += [str(p / "bench" / "bench_pager.py") for p in list(here.parents)[:5]]
+    cands.append(str(Path.cwd() / "bench" / "bench_pager.py"))
+    for c in cands:
+        if c and Path(c).is_file():
+            spec = importlib.util.spec_from_file_location("_kvflash_bench_pager", c)
+            mod = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(mod)
+            except Exception:
+                continue
+            return mod
+    return None
+
+
+def run_paging(cfg: BenchConfig) -> Result:
+    """Page-out / page-in per 64-token chunk against a plain memcpy of the same bytes, and reselect cost,
+    on a standalone Pager with the model's KV geometry (all paged layers, K and V)."""
+    import kvflash
+    from kvflash.models import resolve_model
+    m = kvflash.Model(str(resolve_model(cfg.model)), 1)
+    hp = m.hparams
+    n_layers = len(m.global_layers)
+    n_embd_k = hp["head_dim"] * hp["n_head_kv"]
+    ext = _bench_pager_module()
+    res = Result("paging", f"paging cost per 64-token chunk ({n_layers} layers × K+V, {cfg.kv_type}; "
+                 f"median ± spread over chunks × {cfg.repeats} repeats)",
+                 BASE_COLS + [("pool", "pool"), ("op", "op"), ("per", "per"), ("ms", "ms"),
+                              ("gib_s", "GiB/s"), ("vs_memcpy", "vs memcpy")])
+    rng = np.random.default_rng(cfg.seed)
+    with Progress(len(cfg.pools) * cfg.repeats, "paging", cfg.quiet) as pb:
+        for pool in cfg.pools:
+            samples = {"page_out": [], "page_out_warm": [], "page_in": [], "memcpy": [], "reselect": [], "reselect_per_chunk": []}
+            moved_all = []
+            chunk_b = None
+            for r in range(cfg.repeats):
+                max_ctx = pool * 4
+                p = kvflash.Pager(pool_tokens=pool, max_ctx=max_ctx, n_layers=n_layers, n_embd_k=n_embd_k,
+                                  kv_type=cfg.kv_type)
+                C = p.chunk_tokens
+                chunk_b = p.chunk_bytes
+                for layer in range(n_layers):   # touch the pool so first-touch faults are not timed
+                    p.k_rows(layer)[:] = rng.integers(0, 255, p.k_rows(layer).shape, dtype=np.uint8)
+                    p.v_rows(layer)[:] = rng.integers(0, 255, p.v_rows(layer).shape, dtype=np.uint8)
+                n_fill = pool // C
+                for c in range(n_fill):
+                    p.alloc_span(c * C, C)
+                table = p.chunk_table()
+                victims = [c for c in range(n_fill) if table["block"][c] >= 0 and not table["protected"][c]]
+                # page-out: dirty, never-paged chunks (a real copy each)
+                for c in victims:
+                    t0 = time.perf_counter_ns()
+                    p.evict(c)
+                    samples["page_out"].append((time.perf_counter_ns() - t0) / 1e6)
+                # page-in: each into a block its eviction freed
+                for c in victims:
+                    t0 = time.perf_counter_ns()
+                    ok = p.recall(c)
+                    samples["page_in"].append((time.perf_counter_ns() - t0) / 1e6)
+                    assert ok
+                # page-out again into host buffers already touched (steady state: rewrite, then evict)
+                for c in victims:
+                    p.alloc_span(c * C, C)
+                    t0 = time.perf_counter_ns()
+                    p.evict(c)
+                    samples["page_out_warm"].append((time.perf_counter_ns() - t0) / 1e6)
+                    p.recall(c)
+                src = rng.integers(0, 255, chunk_b, dtype=np.uint8)
+                dst = np.empty_like(src)
+                np.copyto(dst, src)
+                for _ in range(max(8, len(victims))):
+                    t0 = time.perf_counter_ns()
+                    np.copyto(dst, src)
+                    samples["memcpy"].append((time.perf_counter_ns() - t0) / 1e6)
+                # reselect: fill 4x the pool, then ask for ~20 chunks to swap (10 out, 10 in)
+                for c in range(n_fill, max_ctx // C):
+                    p.alloc_span(c * C, C)
+                for _ in range(3):
+                    table = p.chunk_table()
+                    n = p.n_chunks
+                    res_c = [c for c in range(n) if table["block"][c] >= 0 and not table["protected"][c]]
+                    host_c = [c for c in range(n) if table["block"][c] < 0 and table["materialised"][c]]
+                    k = min(10, len(res_c), len(host_c))
+                    scores = np.zeros(n, dtype=np.float32)
+                    scores[res_c] = 1.0
+                    out = rng.choice(res_c, k, replace=False)
+                    inn = rng.choice(host_c, k, replace=False)
+                    scores[out] = 0.0
+                    scores[inn] = 2.0
+                    t0 = time.perf_counter_ns()
+                    moved = p.reselect(scores)
+                    ms = (time.perf_counter_ns() - t0) / 1e6
+                    samples["reselect"].append(ms)
+                    samples["reselect_per_chunk"].append(ms / max(1, moved))
+                    moved_all.append(moved)
+                p.check_invariants()
+                pb.advance(1, note=f"pool {pool}")
+            mc = summarize(samples["memcpy"])
+            gib = lambda ms: chunk_b / 2**30 / (ms / 1e3) if ms else None
+            for op, per in [("page_out", "chunk"), ("page_out_warm", "chunk"), ("page_in", "chunk"), ("memcpy", "chunk"),
+                            ("reselect", f"~{int(np.median(moved_all))} chunks moved"),
+                            ("reselect_per_chunk", "chunk moved")]:
+                st = summarize(samples[op])
+                row = {**_base(cfg), "pool": pool, "op": op, "per": per, "ms": st}
+                if per == "chunk":
+                    row["gib_s"] = gib(st["median"])
+                    row["vs_memcpy"] = f"{st['median'] / mc['median']:.2f}x" if mc["median"] else None
+                res.rows.append(row)
+                res.raw += [{**_base(cfg), "pool": pool, "op": op, "ms": v} for v in samples[op]]
+    res.notes += [f"chunk = {chunk_b} bytes ({chunk_b / 2**20:.2f} MiB); page-out of a dirty chunk, page-in "
+                  "into a free block; memcpy = numpy copy of the same byte count between warm buffers",
+                  "timed from Python around one native call (~1 µs of call overhead included)",
+                  "page_out: first eviction into fresh host slab memory (page faults included); page_out_warm: a rewritten "
+                  "chunk evicted again into its existing host buffer",
+                  "reselect: up to 10 low-scored resident chunks out and as many high-scored host chunks in (a pool has "
+                  "only pool/64 - 6 unprotected blocks)"]
+    if ext is not None:
+        res.notes.append(f"bench_pager.py found at {getattr(ext, '__file__', '?')}: run it for the pager "
+                         f"micro-benchmarks it adds")
+    return res
+
+
+# ----------------------------------------------------------------------------- needle / ab
+def _needle_modes(cfg: BenchConfig) -> list:
+    return [("full", None, None)] + [("kvflash", p, pol) for p in cfg.pools for pol in cfg.policies]
+
+
+def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bool):
+    sessions, na = {}, {}
+    for m in modes:
+        try:
+            s = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
+        except Unavailable as e:
+            na[m] = str(e)
+            continue
+        if dedupe_fallback and s.bench_fallback and ("kvflash", m[1], s.policy.name) in modes:
+            na[m] = (f"no drafter found next to the model (would fall back to {s.policy.name}: see that column); "
+                     f"pass --drafter PATH")
+            continue
+        sessions[m] = s
+    return sessions, na
+
+
+def _answer(s, ids: list, n: int) -> tuple[str, float]:
+    s.reset()
+    t0 = time.perf_counter()
+    s.prefill(ids)
+    dt = time.perf_counter() - t0
+    text = "".join(s.generate(None, max_tokens=n, temperature=0.0, stop=["\n"]))
+    return text, dt
+
+
+def _trials_for(cfg, builder, D, reserve):
+    return [builder.trial(i, D - reserve, cfg.depths) for i in range(cfg.needles)]
+
+
+def run_needle(cfg: BenchConfig) -> Result:
+    """Recall of a passkey at depths of a natural-text haystack: full cache, then each policy at each pool,
+    on the same prompts; greedy answer through the chat template, scored exact."""
+    ctxs = sorted(set(cfg.contexts))
+    modes = _needle_modes(cfg)
+    res = Result("needle", f"needle-in-a-haystack recall (passkey, depths {'/'.join(map(str, cfg.depths))}%, "
+                 f"{cfg.needles} per cell)",
+                 BASE_COLS + [("context", "context"), ("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
+                              ("residency", "residency %"), ("needle", f"needle /{cfg.needles}"),
+                              ("by_depth", "by depth"), ("prefill_s", "prefill s")])
+    builder = None
+    notes = set()
+    with Progress(len(ctxs) * cfg.needles * len(modes), "needle", cfg.quiet) as pb:
+        for D in ctxs:
+            sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=True)
+            if not sessions:
+                raise RuntimeError("no mode could be opened")
+            any_s = next(iter(sessions.values()))
+            builder = builder or NeedleBuilder(any_s, cfg.seed)
+            trials = _trials_for(cfg, builder, D, cfg.answer_tokens + 1)
+            pb.advance(cfg.needles * len(na))
+            for t in trials:
+                for m, s in sessions.items():
+                    pb.note(f"{ctx_label(D)} {m[0]} {m[1] or ''} {m[2] or ''} depth {t.depth}%")
+                    ans, dt = _answer(s, t.ids, cfg.answer_tokens)
+                    ok = score(ans, t.value)
+                    st = s.stats
+                    res.raw.append({**_base(cfg, s), "context": D, "mode": m[0], "pool": m[1],
+                                    "policy": s.policy.name if m[1] else None, "trial": t.index, "depth": t.depth,
+                                    "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
+                                    "prefill_s": dt, "residency_pct": st["residency_pct"],
+                                    "page_outs": st["page_outs"], "page_ins": st["page_ins"],
+                                    "rescores": st["rescores"]})
+                    pb.advance(1, note=f"{ctx_label(D)} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
+            for m in modes:
+                row = {**_base(cfg, any_s), "context": D, "mode": m[0], "pool": "-" if m[1] is None else m[1],
+                       "policy": "-" if m[1] is None else m[2],
+                       "residency": 100.0 if m[1] is None else round(100.0 * min(1.0, m[1] / D), 1)}
+                if m in na:
+                    row["needle"] = "n/a"
+                    row["by_depth"] = na[m]
+                    notes.add(f"{m[2]}: {na[m]}")
+                else:
+                    rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]
+                          and (m[1] is None or x["policy"] == sessions[m].policy.name)]
+                    rr = rr[-cfg.needles:]
+                    row["needle"] = f"{sum(x['correct'] for x in rr)}/{len(rr)}"
+                    row["by_depth"] = " ".join(
+                        f"{d}%:{sum(x['correct'] for x in rr if x['depth'] == d)}/{sum(1 for x in rr if x['depth'] == d)}"
+                        for d in cfg.depths if any(x["depth"] == d for x in rr))
+                    row["prefill_s"] = summarize(x["prefill_s"] for x in rr)
+                    if sessions[m].bench_fallback:
+                        row["policy"] = f"{m[2]}→{sessions[m].policy.name}"
+                res.rows.append(row)
+            del sessions
+    res.notes += [f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
+                  f"stop at newline); the assistant turn is primed with \"The passkey is\"",
+                  "haystack: procedural public-domain prose shipped as kvflash/bench/haystack.txt (see _prose.py)",
+                  "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there"]
+    res.notes += sorted(notes)
+    if (n := _long_note(cfg, max(ctxs))):
+        res.notes.append(n)
+    return res
+
+
+def run_ab(cfg: BenchConfig) -> Result:
+    """The headline table: per context, full cache vs kvflash (first --pool, --policy): prefill s, decode
+    tok/s, needle /N and KV resident, from the same trials (each trial: fresh prefill of a needle prompt,
+    the greedy answer, then decode_steps timed at that context), interleaved full/kvflash per trial."""
+    ctxs = sorted(set(cfg.contexts))
+    pool = cfg.pools[0]
+    modes = [("full", None, None), ("kvflash", pool, cfg.policy)]
+    res = Result("ab", f"full cache vs kvflash (pool {pool}, policy {cfg.policy}): median ± spread over "
+                 f"{cfg.needles} trials",
+                 BASE_COLS + [("context", "context"), ("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
+                              ("prefill_s", "prefill s"), ("decode_tok_s", "decode tok/s"),
+                              ("needle", f"needle /{cfg.needles}"), ("kv_resident_mib", "KV resident MiB"),
+                              ("host_mib", "host MiB"), ("speed_ratio", "decode kvflash/full"),
+                              ("prefill_ratio", "prefill full/kvflash")])
+    builder = None
+    notes = []
+    with Progress(len(ctxs) * cfg.needles * len(modes), "ab", cfg.quiet) as pb:
+        for D in ctxs:
+            sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=False)
+            any_s = next(iter(sessions.values()))
+            builder = builder or NeedleBuilder(any_s, cfg.seed)
+            trials = _trials_for(cfg, builder, D, cfg.answer_tokens + cfg.decode_steps + 2)
+            pb.advance(cfg.needles * len(na))
+            for t in trials:
+                order = list(sessions.items())
+                if t.index % 2:
+                    order.reverse()
+                for m, s in order:
+                    pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: prefill")
+                    ans, dt = _answer(s, t.ids, cfg.answer_tokens)
+                    ctx0 = s.n_past
+                    pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: decode")
+                    ddt, cms = decode_steps(s, cfg.decode_steps)
+                    st = s.stats
+                    ok = score(ans, t.value)
+                    res.raw.append({**_base(cfg, s), "context": D, "mode": m[0], "pool": m[1],
+                                    "policy": s.policy.name if m[1] else None, "trial": t.index, "depth": t.depth,
+                                    "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
+                                    "prefill_s": dt, "decode_ctx": ctx0, "decode_s": ddt,
+                                    "decode_tok_s": cfg.decode_steps / ddt, "compute_ms": cms,
+                                    "kv_resident_bytes": kv_resident_bytes(s), "host_bytes": int(st["host_kv_mib"] * MIB),
+                                    "page_outs": st["page_outs"], "page_ins": st["page_ins"],
+                                    "rescores": st["rescores"]})
+                    pb.advance(1, note=f"{ctx_label(D)} {m[0]}: {cfg.decode_steps / ddt:.1f} tok/s, "
+                                       f"{'ok' if ok else 'miss'}")
+            full = {}
+            for m in modes:
+                row = {**_base(cfg, any_s), "context": D, "mode": m[0], "pool": "-" if m[1] is None else m[1],
+                       "policy": "-" if m[1] is None else m[2]}
+                if m in na:
+                    row["decode_tok_s"] = f"n/a: {na[m]}"
+                    res.rows.append(row)
+                    continue
+                s = sessions[m]
+                if m[1] is not None and s.bench_fallback:
+                    row["policy"] = f"{m[2]}→{s.policy.name}"
+                    notes.append(f"policy {m[2]!r} fell back: {s.banner.splitlines()[0]}")
+                rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0]]
+                row.update(prefill_s=summarize(x["prefill_s"] for x in rr),
+                           decode_tok_s=summarize(x["decode_tok_s"] for x in rr),
+                           needle=f"{sum(x['correct'] for x in rr)}/{len(rr)}",
+                           kv_resident_mib=rr[-1]["kv_resident_bytes"] / MIB, host_mib=rr[-1]["host_bytes"] / MIB)
+                if m[1] is None:
+                    full = row
+                else:
+                    row["speed_ratio"] = _ratio(row["decode_tok_s"], full.get("decode_tok_s"))
+                    row["prefill_ratio"] = _ratio(full.get("prefill_s"), row["prefill_s"])
+                res.rows.append(row)
+            del sessions
+    res.notes += [f"each trial: fresh prefill of a needle prompt filling the context, greedy answer "
+                  f"(≤ {cfg.answer_tokens} tokens), then {cfg.decode_steps} decode steps timed at that depth; "
+                  f"full cache allocated at max_ctx = context",
+                  "needle scored exact (digits in the answer); depths " + "/".join(map(str, cfg.depths)) + "%"]
+    res.notes += sorted(set(notes))
+    if (n := _long_note(cfg, max(ctxs))):
+        res.notes.append(n)
+    return res
+
+
+ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
+            "needle": run_needle, "ab": run_ab}

@@ -1,0 +1,169 @@
+"""Scored residency policies: drafter-scored and drafter-free (qk).
+
+Both follow the policy protocol of :mod:`kvflash.policies` (``name``,
+``score(view)``, ``reset()``); the heavy lifting (key summaries, attention
+probabilities) happens in the native runtime, once per rescore.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from . import _core
+from .policies import ChunkView
+
+
+class QKPolicy:
+    """Drafter-free: score each sealed chunk's key summary against the current query.
+
+    A chunk's summary is computed once, when it seals (64 tokens written) while
+    it is still resident: per paged layer and KV head the element-wise min and
+    max of its post-RoPE keys, and their L2-normalised mean.  ``mode="bound"``
+    (default) scores sum_d max(q_d * min_d, q_d * max_d), an upper bound of the
+    best q . k inside the chunk, so a single sharply relevant token is not
+    averaged away; ``mode="mean"`` scores q against the mean key.  Per layer the
+    max over query heads is taken, then the mean over layers.
+    """
+
+    needs_chunk_summaries = True
+
+    def __init__(self, mode: str = "bound"):
+        if mode not in ("bound", "mean"):
+            raise ValueError(f"qk mode must be 'bound' or 'mean', got {mode!r}")
+        self.mode = mode
+        self.name = "qk" if mode == "bound" else "qk-mean"
+
+    def score(self, view: ChunkView) -> Optional[np.ndarray]:
+        return view.session.runtime.qk_scores(self.mode)[: view.n_chunks]
+
+    def reset(self) -> None:
+        pass  # summaries live in the runtime and are cleared by its reset
+
+
+def smooth(x: np.ndarray, width: int) -> np.ndarray:
+    """Centered moving average (width 1 = identity)."""
+    if width <= 1 or x.size == 0:
+        return x
+    k = np.ones(width, dtype=np.float64) / width
+    return np.convolve(x.astype(np.float64), k, mode="same").astype(np.float32)
+
+
+def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> np.ndarray:
+    n = min(tok_scores.size, n_chunks * chunk_tokens)
+    padded = np.zeros(n_chunks * chunk_tokens, dtype=np.float64)
+    counts = np.zeros(n_chunks * chunk_tokens, dtype=np.float64)
+    padded[:n] = tok_scores[:n]
+    counts[:n] = 1
+    s = padded.reshape(n_chunks, chunk_tokens).sum(1)
+    c = counts.reshape(n_chunks, chunk_tokens).sum(1)
+    return (s / np.maximum(c, 1)).astype(np.float32)
+
+
+class DrafterPolicy:
+    """A second (smaller) model scores every chunk by the attention the tail pays it.
+
+    The drafter keeps its own full cache of the history and is fed only the
+    tokens added since its last rescore (the reference re-reads the whole
+    history every time).  At a rescore it evaluates the new tokens, captures the
+    queries of the last ``n_queries`` tokens, and takes per history token the
+    attention those queries pay it (softmax per head and layer, mean over the
+    queries, max over heads and layers); the scores are smoothed and averaged
+    per target chunk.  When the drafter's vocabulary differs from the target's,
+    the history is detokenized, re-tokenized for the drafter, and the scores are
+    mapped back to target chunks by byte spans (the cross-tokenizer bridge).
+    The drafter is loaded lazily, at the first rescore.
+    """
+
+    name = "drafter"
+
+    def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 8, smooth_width: int = 5,
+                 kv_type: str = "q8_0"):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise ValueError(f"drafter {self.path} does not exist")
+        self.threads = threads
+        self.n_queries = n_queries
+        self.smooth_width = smooth_width
+        self.kv_type = kv_type
+        self._model = None
+        self._rt = None
+        self._tok = None
+        self._fed: list[int] = []
+        self.bridged = False
+        self.fed_tokens_total = 0   # tokens evaluated by the drafter over its lifetime
+
+    # -- lazy setup ---------------------------------------------------------
+    def _load(self, session) -> None:
+        from .tokenizer import Tokenizer
+        if os.path.realpath(self.path) == os.path.realpath(str(session.model_path)):
+            self._model = session.model  # same weights: share them
+            self._tok = session.tokenizer
+        else:
+            try:
+                self._model = _core.Model(self.path, self.threads or session.threads)
+                self._tok = Tokenizer.from_gguf(self.path)
+            except Exception as e:  # an explicit drafter that fails to load is an error
+                raise ValueError(f"drafter {self.path} failed to load: {e}") from e
+        t = session.tokenizer
+        self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
+        self._rt = _core.Runtime(self._model, max_ctx=max(session.max_ctx * (4 if self.bridged else 1), 1024),
+                                 pool_tokens=0, kv_type=self.kv_type, capture_queries=self.n_queries)
+
+    def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """History as bytes plus each target token's end offset."""
+        tb = session.tokenizer.token_bytes
+        pieces = [tb(int(t), True) for t in tokens]
+        ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+        return b"".join(pieces), ends
+
+    def _feed(self, ids: list[int]) -> None:
+        common = 0
+        for a, b in zip(self._fed, ids):
+            if a != b:
+                break
+            common += 1
+        if common < len(self._fed):
+            try:
+                self._rt.truncate(common)
+            except ValueError:
+                self._rt.reset()
+                common = 0
+            del self._fed[common:]
+        new = ids[common:]
+        if new:
+            self._rt.eval(np.asarray(new, dtype=np.int32))
+            self._fed.extend(new)
+            self.fed_tokens_total += len(new)
+
+    def score(self, view: ChunkView) -> Optional[np.ndarray]:
+        s = view.session
+        if self._rt is None:
+            self._load(s)
+        tokens = view.tokens[: view.n_past]
+        if not self.bridged:
+            self._feed([int(t) for t in tokens])
+            tok_scores = self._rt.attention_scores()
+            return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
+        # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
+        text_bytes, t_ends = self._target_bytes(s, tokens)
+        text = text_bytes.decode("utf-8", errors="replace")
+        d_ids = self._tok.encode(text, add_special=True, parse_special=False)
+        self._feed(d_ids)
+        d_scores = smooth(self._rt.attention_scores(), self.smooth_width)
+        d_len = np.array([len(self._tok.token_bytes(int(t), True)) for t in d_ids], dtype=np.int64)
+        d_ends = np.cumsum(d_len)
+        d_starts = d_ends - d_len
+        # each drafter token lands in the target chunk that holds its first byte
+        t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
+        chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)
+        sums = np.bincount(chunk_of, weights=d_scores[: len(chunk_of)], minlength=view.n_chunks)
+        cnts = np.bincount(chunk_of, minlength=view.n_chunks)
+        return (sums / np.maximum(cnts, 1)).astype(np.float32)[: view.n_chunks]
+
+    def reset(self) -> None:
+        if self._rt is not None:
+            self._rt.reset()
+        self._fed.clear()
