@@ -108,7 +108,7 @@ py::dict stats_dict(const Pager &p, size_t pool_bytes) {
     return d;
 }
 
-py::array_t<float> as_scores(const Pager &p, py::array scores) {
+py::array_t<float> as_scores(const Pager &p, py::object scores) {
     auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(scores);
     if (!a) throw std::invalid_argument("scores must be a 1-D array of numbers");
     if (a.ndim() != 1) throw std::invalid_argument("scores must be 1-D (one score per chunk), got " + std::to_string(a.ndim()) + "-D");
@@ -170,7 +170,7 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
         .def("alloc_span", [](PagerRef &s, int64_t pos0, int64_t n) -> py::object {
                  if (n <= 0) throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
                  if (pos0 < 0) throw std::out_of_range("pos0 must be >= 0, got " + std::to_string(pos0));
-                 if (pos0 + n > s.pg().config().max_ctx)
+                 if (pos0 >= s.pg().config().max_ctx || n > s.pg().config().max_ctx - pos0)
                      throw std::out_of_range("positions [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) +
                                              ") go beyond max_ctx=" + std::to_string(s.pg().config().max_ctx));
                  py::array_t<int32_t> out(n);
@@ -193,12 +193,12 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  check_chunk(s.pg(), c);
                  return s.pg().recall(int32_t(c)) == AllocResult::OK;
              }, py::arg("chunk"), "Bring a paged-out chunk back; False if no block can be freed.")
-        .def("set_scores", [](PagerRef &s, py::array scores) {
+        .def("set_scores", [](PagerRef &s, py::object scores) {
                  auto a = as_scores(s.pg(), scores);
                  s.pg().set_scores(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"))
         .def("clear_scores", [](PagerRef &s) { s.pg().clear_scores(); })
-        .def("reselect", [](PagerRef &s, py::array scores) {
+        .def("reselect", [](PagerRef &s, py::object scores) {
                  auto a = as_scores(s.pg(), scores);
                  return s.pg().reselect(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"), "Repage to the top-scoring chunks; returns chunks moved.")

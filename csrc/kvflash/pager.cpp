@@ -142,7 +142,7 @@ int32_t Pager::take_block(int64_t head, int32_t lo, int32_t hi) {
 
 AllocResult Pager::alloc_span(int64_t pos0, int32_t n, int32_t *slots_out) {
     if (n <= 0) throw std::invalid_argument("alloc_span: n must be > 0, got " + std::to_string(n));
-    if (pos0 < 0 || pos0 + n > cfg_.max_ctx)
+    if (pos0 < 0 || pos0 >= cfg_.max_ctx || n > cfg_.max_ctx - pos0)
         throw std::out_of_range("alloc_span: positions [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) +
                                 ") outside [0, max_ctx=" + std::to_string(cfg_.max_ctx) + ")");
     const int32_t C = cfg_.chunk_tokens;
@@ -293,7 +293,10 @@ void Pager::truncate(int64_t n_past) {
             score_[c] = kUnscored;
         }
     }
-    head_ = n_past > 0 ? (n_past - 1) / C : -1;
+    // The new head is the last chunk still holding a position (there may be gaps).
+    int64_t h = n_past > 0 ? std::min<int64_t>((n_past - 1) / C, head_) : -1;
+    while (h >= 0 && n_written_[h] == 0) --h;
+    head_ = h;
     // The new tail window may hold chunks that were paged out: bring them back.
     for (int64_t c = std::max<int64_t>(0, head_ - cfg_.tail_window_chunks); c <= head_; ++c) {
         if (n_written_[c] > 0 && block_of_[c] < 0) {

@@ -256,7 +256,19 @@ class Session:
         self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32))
         self._prefill_s += time.perf_counter() - t0
         self._tokens.extend(ids)
+        if self._scored() and self.pager.stats["host_chunks"] > 0:
+            # The prompt outgrew the pool: let the policy pick the residents against the
+            # prompt's tail now (the question usually sits there), then re-read the last
+            # token so the first generated token already attends to the chosen chunks.
+            self._since_rescore = 0
+            if self.rescore() > 0:
+                n = self.runtime.n_past
+                self.runtime.truncate(n - 1)
+                self._last_logits = self.runtime.eval(np.asarray(ids[-1:], dtype=np.int32))
         return len(ids)
+
+    def _scored(self) -> bool:
+        return self.kvflash and not isinstance(self.policy, LRUPolicy)
 
     def logits(self) -> np.ndarray:
         """Logits after the last evaluated token (float32 [n_vocab])."""
@@ -265,7 +277,7 @@ class Session:
         return self._last_logits.copy()
 
     def _maybe_rescore(self) -> None:
-        if isinstance(self.policy, LRUPolicy) or not self.kvflash:
+        if not self._scored():
             return
         period = max(self.tau, len(self._tokens) // 45)
         if self._since_rescore < period:
