@@ -21,7 +21,7 @@ Which attention kernel runs matters at this precision.  On the CPU the runtime
 has two (Runtime(attn=...)): kvflash's own split-K pool kernel (attn="pool";
 csrc/kvflash/attn_cpu.cpp: Q, K, V and accumulators in f32) and ggml's
 ggml_flash_attn_ext (attn="ggml"); the default "auto" uses the pool kernel for
-pieces of <= pool_attn_max_tokens (64) queries and ggml above.  ggml's CPU flash
+pieces of up to pool_attn_max_tokens queries (by default every piece) and ggml above.  ggml's CPU flash
 attention (ggml-cpu/ops.cpp) itself has a "tiled" path (all f32) for >= 64
 queries with f16 KV and otherwise a "one_chunk" path that converts Q to f16 and
 accumulates softmax(QK)V *in an f16 vector* (VKQ16: ggml_vec_mad_f16 /

@@ -1,0 +1,204 @@
+"""Residency policies: the scorers' math against numpy, planted chunks, per-session state."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import kvflash
+from kvflash import _core
+from kvflash.policies import ChunkView, validate_scores
+from kvflash.scoring import DrafterPolicy, QKPolicy, per_chunk_mean, smooth
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tinygguf import write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pol") / "tiny.gguf"
+    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=3)
+    return str(path)
+
+
+def _tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+def test_qk_scores_match_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=2048, pool_tokens=1024, kv_type="f16", chunk_summaries=True)
+    rt.eval(_tokens(64 * 6 + 10))
+    q = rt.captured_queries()                       # [L, 1, H, D]
+    L, _, H, D = q.shape
+    Hkv, G = 2, H // 2
+    n_chunks = 7
+    for mode in ("bound", "mean"):
+        got = rt.qk_scores(mode)
+        assert got.shape == (n_chunks,)
+        assert np.isinf(got[6])                     # the unsealed head chunk has no summary
+        for c in range(6):
+            per_layer = []
+            for l in range(L):
+                keys = rt.chunk_keys(c, l).reshape(64, Hkv, D)
+                best = -np.inf
+                for h in range(H):
+                    qh = q[l, 0, h].astype(np.float64)
+                    kg = keys[:, h // G, :].astype(np.float64)
+                    if mode == "bound":
+                        s = np.maximum(qh * kg.min(0), qh * kg.max(0)).sum()
+                        assert s >= (kg @ qh).max() - 1e-4      # an upper bound of every q.k in the chunk
+                    else:
+                        mean = kg.mean(0)
+                        s = qh @ (mean / np.linalg.norm(mean))
+                    best = max(best, s)
+                per_layer.append(best)
+            assert got[c] == pytest.approx(np.mean(per_layer), rel=1e-4, abs=1e-4)
+
+
+def test_qk_scores_need_summaries(tiny):
+    rt = _core.Runtime(_core.Model(tiny, 1), max_ctx=1024, pool_tokens=512)
+    rt.eval(_tokens(100))
+    with pytest.raises(ValueError, match="summaries"):
+        rt.qk_scores("bound")
+    with pytest.raises(ValueError, match="mode"):
+        _core.Runtime(_core.Model(tiny, 1), max_ctx=1024, chunk_summaries=True).qk_scores("nope")
+
+
+def test_attention_scores_match_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=1024, pool_tokens=0, kv_type="f16", capture_queries=8)
+    n = 150
+    rt.eval(_tokens(n, 1))
+    got = rt.attention_scores()
+    q = rt.captured_queries()                       # [L, 8, H, D]
+    L, nq, H, D = q.shape
+    assert nq == 8
+    want = np.zeros(n)
+    scale = 1.0 / np.sqrt(D)
+    for l in range(L):
+        keys = np.stack([rt.pager.k_rows(l)[s].view(np.float16).astype(np.float64)
+                         for s in range(n)]).reshape(n, 2, D)
+        for h in range(H):
+            avg = np.zeros(n)
+            for i in range(nq):
+                qpos = n - nq + i
+                lg = keys[: qpos + 1, h // 2, :] @ q[l, i, h].astype(np.float64) * scale
+                p = np.exp(lg - lg.max())
+                avg[: qpos + 1] += p / p.sum() / nq
+            want = np.maximum(want, avg)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_smoothing_and_chunk_means():
+    x = np.zeros(10, dtype=np.float32)
+    x[5] = 3.0
+    np.testing.assert_allclose(smooth(x, 3)[4:7], [1, 1, 1])
+    np.testing.assert_allclose(per_chunk_mean(np.arange(6, dtype=np.float32), 4, 2), [1.5, 4.5])
+
+
+class PlantedPolicy:
+    """Keeps one planted chunk: the test fails if the session does not act on scores."""
+    name = "planted"
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+        self.calls = 0
+        self.resets = 0
+
+    def score(self, view: ChunkView):
+        self.calls += 1
+        assert view.n_chunks == -(-view.n_past // view.chunk_tokens)
+        s = np.zeros(view.n_chunks, dtype=np.float32)
+        s[self.chunk] = 10.0
+        return s
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_python_policy_keeps_planted_chunk(tiny):
+    pol = PlantedPolicy(chunk=2)
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=pol, tau=16, threads=1, verbose=False)
+    s.prefill(_tokens(64 * 12, 2).tolist())          # outgrows the pool: rescored at the end of prefill
+    assert pol.calls == 1
+    assert s.pager.chunk_table()["block"][2] >= 0      # the planted chunk was recalled
+    lru = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
+    lru.prefill(_tokens(64 * 12, 2).tolist())
+    assert lru.pager.chunk_table()["block"][2] < 0     # recency alone would have dropped it
+    list(s.generate(max_tokens=40, ignore_eos=True))   # decode rescoring every max(tau, n/45) tokens
+    assert pol.calls >= 3
+    assert s.stats["rescores"] == pol.calls
+    assert s.pager.chunk_table()["block"][2] >= 0
+    s.reset()
+    assert pol.resets == 1 and s.pager.scores() is None and s.n_past == 0
+
+
+def test_bad_policy_objects(tiny):
+    with pytest.raises(ValueError, match="score"):
+        kvflash.Session(tiny, kvflash=512, policy=object(), verbose=False)
+
+    class Bad:
+        name = "bad"
+
+        def score(self, view):
+            return np.ones(3)
+
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=Bad(), threads=1, verbose=False)
+    with pytest.raises(ValueError, match="expected"):
+        s.prefill(_tokens(64 * 12).tolist())
+    with pytest.raises(ValueError, match="NaN"):
+        validate_scores([np.nan, 1.0], 2, "x")
+
+
+def test_drafter_feeds_only_new_tokens_and_resets(tiny):
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="drafter", drafter=tiny, tau=16, threads=1,
+                        verbose=False)
+    assert isinstance(s.policy, DrafterPolicy) and "fall" not in s.banner
+    s.prefill(_tokens(64 * 12, 4).tolist())
+    fed = s.policy.fed_tokens_total
+    assert fed == 64 * 12                              # the whole history once
+    list(s.generate(max_tokens=40, ignore_eos=True))
+    assert s.stats["rescores"] >= 2
+    assert s.policy.fed_tokens_total < fed + 60         # then only what was added since
+    assert not s.policy.bridged
+    s.reset()
+    assert s.policy._fed == [] and s.pager.scores() is None
+
+
+def test_drafter_fallback_and_explicit_failure(tiny, tmp_path):
+    s = kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="drafter", threads=1, verbose=False)
+    assert s.policy.name == "lru" and "falling back to LRU" in s.banner
+    with pytest.raises((ValueError, FileNotFoundError)):
+        kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="drafter", drafter=str(tmp_path / "nope.gguf"),
+                        verbose=False)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="drafter", drafter=str(bad), threads=1,
+                        verbose=False)
+    with pytest.raises(ValueError, match="failed to load"):
+        s.prefill(_tokens(64 * 12).tolist())           # loaded lazily, at the first rescore: an error, not a fallback
+
+
+def test_drafter_probe_next_to_model(tiny, tmp_path):
+    import shutil
+    d = tmp_path / "m"
+    (d / "drafter").mkdir(parents=True)
+    shutil.copy(tiny, d / "target.gguf")
+    shutil.copy(tiny, d / "drafter" / "small.gguf")
+    s = kvflash.Session(str(d / "target.gguf"), max_ctx=1024, kvflash=512, policy="drafter", threads=1,
+                        verbose=False)
+    assert isinstance(s.policy, DrafterPolicy) and s.policy.path.endswith("small.gguf")
+    assert "policy=drafter" in s.banner
+
+
+def test_qk_policy_in_session(tiny):
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="qk", tau=16, threads=1, verbose=False)
+    assert isinstance(s.policy, QKPolicy)
+    s.prefill(_tokens(64 * 12, 5).tolist())
+    assert s.stats["rescores"] == 1
+    list(s.generate(max_tokens=20, ignore_eos=True))
+    s.pager.check_invariants()
