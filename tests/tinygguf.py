@@ -81,17 +81,10 @@ N_BASE_TOKENS = 256 + len(_MERGES) + 2  # bytes + merges + bos + eos
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character mapping."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    """GPT-2's reversible byte -> printable unicode character mapping (the product's table; the
+    tokenizer tests check it against real vocabularies)."""
+    from kvflash.tokenizer import _bytes_to_unicode
+    return _bytes_to_unicode()
 
 
 def make_vocab(n_vocab: int | None = None) -> dict[str, Any]:

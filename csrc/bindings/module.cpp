@@ -309,7 +309,9 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
         .def(py::init([](std::shared_ptr<Model> model, int64_t max_ctx, int32_t pool_tokens, const std::string &kv_type,
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
                          const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
-                         int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries) {
+                         int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries,
+                         int32_t prefill_piece) {
+                 if (prefill_piece < 0) throw std::invalid_argument("prefill_piece must be >= 0 (0: chunk_tokens)");
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
                  if (!model) throw std::invalid_argument("model is required");
@@ -324,6 +326,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.pool_attn_max_tokens = pool_attn_max_tokens;
                  c.capture_queries = capture_queries;
                  c.chunk_summaries = chunk_summaries;
+                 c.prefill_piece = prefill_piece;
                  c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
                  if (c.host == "file" && c.host_path.empty()) throw std::invalid_argument("host='file' needs host_path=");
                  auto r = std::make_shared<PyRuntime>();
@@ -336,7 +339,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
              py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
              py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
-             py::arg("chunk_summaries") = false)
+             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })

@@ -366,7 +366,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     if (n_swa_layers > 0) {
         // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
         // before the piece's first query plus the piece itself.
-        const int64_t piece = std::max(cfg_.ubatch, cfg_.chunk_tokens);
+        const int64_t piece = std::max({cfg_.ubatch, cfg_.chunk_tokens, cfg_.prefill_piece});
         swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
                                                 (cfg_.max_ctx + 255) / 256 * 256));
         swa_tokens_ = std::max(swa_tokens_, 256);
@@ -554,7 +554,8 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
         int32_t m = std::min(n - done, cfg_.ubatch);
         if (n_past_ + m > P) {
-            m = std::min<int32_t>(n - done, C - int32_t(n_past_ % C));
+            const int32_t piece = std::min(cfg_.prefill_piece > 0 ? cfg_.prefill_piece : C, cfg_.ubatch);
+            m = std::min<int32_t>(n - done, std::max<int32_t>(1, piece - int32_t(n_past_ % C)));
         }
         const bool last = done + m == n;
         float *out = logits_out;

@@ -93,6 +93,7 @@ struct RuntimeConfig {
     std::string kv_type = "q8_0";
     int32_t chunk_tokens = 64, sink_chunks = 1, tail_window_chunks = 4;
     int32_t ubatch = 512;             // prefill ubatch while the prompt fits the pool
+    int32_t prefill_piece = 0;        // piece once eviction starts (0: chunk_tokens), chunk-aligned
     std::string host = "ram";         // "ram" | "file"
     std::string host_path;
     // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),

@@ -64,12 +64,7 @@ def run_decode(cfg: BenchConfig) -> Result:
     margin = cfg.repeats * cfg.decode_steps + 64
     max_ctx = max(ctxs) + margin
     modes = _modes(cfg)
-    sessions, na = {}, {}
-    for m in modes:
-        try:
-            sessions[m] = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
-        except Unavailable as e:
-            na[m] = str(e)
+    sessions, na = _open_modes(cfg, modes, max_ctx, dedupe_fallback=False)
     live = [m for m in modes if m in sessions]
     any_s = next(iter(sessions.values()))
     toks = text_tokens(any_s, max_ctx)
@@ -145,12 +140,7 @@ def run_prefill(cfg: BenchConfig) -> Result:
     ctxs = sorted(set(cfg.contexts))
     max_ctx = max(ctxs)
     modes = _modes(cfg)
-    sessions, na = {}, {}
-    for m in modes:
-        try:
-            sessions[m] = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
-        except Unavailable as e:
-            na[m] = str(e)
+    sessions, na = _open_modes(cfg, modes, max_ctx, dedupe_fallback=False)
     live = [m for m in modes if m in sessions]
     any_s = next(iter(sessions.values()))
     toks = text_tokens(any_s, max_ctx)
