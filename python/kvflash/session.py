@@ -107,7 +107,7 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, verbose: bool = True):
+                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -132,6 +132,9 @@ class Session:
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         self.tau = tau
         self.kv_type = kv_type
+        if not isinstance(reeval_tokens, int) or reeval_tokens < 1:
+            raise ValueError(f"reeval_tokens must be a positive integer, got {reeval_tokens!r}")
+        self.reeval_tokens = reeval_tokens
 
         # Policy, with the drafter resolved (or the fallback decided) before sizing the pool.
         self._policy_note = ""
@@ -262,9 +265,11 @@ class Session:
             # token so the first generated token already attends to the chosen chunks.
             self._since_rescore = 0
             if self.rescore() > 0:
-                n = self.runtime.n_past
-                self.runtime.truncate(n - 1)
-                self._last_logits = self.runtime.eval(np.asarray(ids[-1:], dtype=np.int32))
+                # Re-read the prompt's last tokens (the question, typically) so they, not only the
+                # final token, see the recalled chunks in every layer.
+                k = max(1, min(len(ids), self.reeval_tokens))
+                self.runtime.truncate(self.runtime.n_past - k)
+                self._last_logits = self.runtime.eval(np.asarray(ids[-k:], dtype=np.int32))
         return len(ids)
 
     def _scored(self) -> bool:
