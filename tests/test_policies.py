@@ -126,6 +126,9 @@ def test_python_policy_keeps_planted_chunk(tiny):
     s.prefill(_tokens(64 * 12, 2).tolist())          # outgrows the pool: rescored at the end of prefill
     assert pol.calls == 1
     assert s.pager.chunk_table()["block"][2] >= 0      # the planted chunk was recalled
+    # ...and the prompt's last 64 tokens were evaluated again against the new residents
+    assert s.runtime.timings["tokens"] == 64 * 12 + 64
+    assert s.n_past == 64 * 12
     lru = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
     lru.prefill(_tokens(64 * 12, 2).tolist())
     assert lru.pager.chunk_table()["block"][2] < 0     # recency alone would have dropped it
