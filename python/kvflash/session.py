@@ -147,8 +147,8 @@ class Session:
         elif kvflash == "auto":
             pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
                                                expect_drafter=self.policy.name == "drafter")
-            if pool >= max_ctx:
-                pool = 0 if pool >= (max_ctx + 255) // 256 * 256 else pool
+            if pool >= (max_ctx + 255) // 256 * 256:
+                pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
         else:
             floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
             if kvflash < floor:
@@ -204,9 +204,8 @@ class Session:
 
     @property
     def banner(self) -> str:
-        pool = self.runtime.pool_tokens if self.kvflash else self.runtime.pool_tokens
         mode = "" if self.kvflash else " [full cache]"
-        line = (f"[kvflash] resident pool {pool} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
+        line = (f"[kvflash] resident pool {self.runtime.pool_tokens} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
                 f"policy={self.policy.name}{self._policy_note}{mode}")
         if self.auto_reason:
             line += f"\n[kvflash] auto pool: {self.auto_reason}"
