@@ -182,6 +182,15 @@ def ref_model(info, attn_fn=None) -> RefModel:
                     gelu_fp16_table=True, attn_fn=attn_fn)
 
 
+def full_cache_reference(info, attn: str, piece: int, toks) -> np.ndarray:
+    """Reference logits for a full-cache run (identity placement, max_ctx 256) fed in pieces of
+    `piece` queries: ggml's one-chunk emulation where that kernel runs, else the exact reference."""
+    if uses_onechunk(attn, piece):
+        sf = identity_slots(info, ring_tokens(N_SWA, 512, 256))
+        return ref_model(info, ggml_onechunk_attn(lambda il: sf(il, len(toks)))).forward(toks)
+    return ref_model(info).forward(toks)
+
+
 def identity_slots(info, R):
     """slot_fn for the full cache: paged layers slot = position, ring layers pos % R."""
     is_swa = info["hparams"]["is_swa"]
@@ -211,11 +220,7 @@ def test_prompt_logits_match_reference(tiny, arch, n_prompt, attn):
     got = rt.eval(toks, all_logits=True)
     assert got.shape == (n_prompt, hp["n_vocab"]) and got.dtype == np.float32
     assert rt.n_past == n_prompt
-    if uses_onechunk(attn, n_prompt):
-        sf = identity_slots(info, ring_tokens(N_SWA, 512, 256))
-        ref = ref_model(info, ggml_onechunk_attn(lambda il: sf(il, n_prompt))).forward(toks)
-    else:
-        ref = ref_model(info).forward(toks)
+    ref = full_cache_reference(info, attn, n_prompt, toks)
     err = rel_err(got, ref)
     print(f"{arch} prompt[{n_prompt}] attn={attn} rel_err={err:.2e}")
     assert err <= TOL, f"{arch}: prompt logits rel_err {err:.3e} > {TOL}"
@@ -237,11 +242,7 @@ def test_incremental_decode_matches_reference(tiny, arch, attn):
     toks = tokens(n, 2, hp["n_vocab"])
     got = np.stack([rt.eval(toks[i:i + 1]) for i in range(n)])
     assert rt.n_past == n
-    if uses_onechunk(attn, 1):
-        sf = identity_slots(info, ring_tokens(N_SWA, 512, 256))
-        ref = ref_model(info, ggml_onechunk_attn(lambda il: sf(il, n))).forward(toks)
-    else:
-        ref = ref_model(info).forward(toks)
+    ref = full_cache_reference(info, attn, 1, toks)
     err = rel_err(got, ref)
     print(f"{arch} incremental attn={attn} rel_err={err:.2e}")
     assert err <= TOL, f"{arch}: decode logits rel_err {err:.3e} > {TOL}"

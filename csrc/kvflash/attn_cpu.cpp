@@ -53,12 +53,17 @@ static void f16_to_f32(const void *src, float *dst, int64_t n) {
     for (; i < n; ++i) dst[i] = half_to_float(h[i]);
 }
 
+// The f16 scale that opens every q8_0 / q4_0 block.
+static inline float block_scale(const uint8_t *b) {
+    uint16_t dh;
+    std::memcpy(&dh, b, 2);
+    return half_to_float(dh);
+}
+
 static void q8_0_to_f32(const void *src, float *dst, int64_t n) {
     const uint8_t *b = static_cast<const uint8_t *>(src);  // blocks of {f16 d; int8 qs[32]}
     for (int64_t ib = 0; ib < n / 32; ++ib, b += 34) {
-        uint16_t dh;
-        std::memcpy(&dh, b, 2);
-        const float d = half_to_float(dh);
+        const float d = block_scale(b);
         const int8_t *qs = reinterpret_cast<const int8_t *>(b + 2);
         float *o = dst + ib * 32;
         for (int j = 0; j < 32; ++j) o[j] = d * float(qs[j]);
@@ -68,9 +73,7 @@ static void q8_0_to_f32(const void *src, float *dst, int64_t n) {
 static void q4_0_to_f32(const void *src, float *dst, int64_t n) {
     const uint8_t *b = static_cast<const uint8_t *>(src);  // blocks of {f16 d; uint8 qs[16]}
     for (int64_t ib = 0; ib < n / 32; ++ib, b += 18) {
-        uint16_t dh;
-        std::memcpy(&dh, b, 2);
-        const float d = half_to_float(dh);
+        const float d = block_scale(b);
         const uint8_t *qs = b + 2;
         float *o = dst + ib * 32;
         for (int j = 0; j < 16; ++j) {

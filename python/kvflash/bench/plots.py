@@ -35,6 +35,13 @@ def _label(r) -> str:
     return "full cache" if r.get("mode") == "full" else f"kvflash pool {r.get('pool')} ({r.get('policy')})"
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
     """Write whatever plots the results allow; returns the files written."""
     plt = _plt()
@@ -63,11 +70,7 @@ def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
             ax.set_title("Decode speed vs context" + title_suffix)
             ax.grid(alpha=0.3)
             ax.legend()
-            f = folder / "decode_vs_context.png"
-            fig.tight_layout()
-            fig.savefig(f, dpi=120)
-            plt.close(fig)
-            written.append(f)
+            written.append(_save(plt, fig, folder / "decode_vs_context.png"))
 
     # resident KV vs context (from `memory`, else decode/ab rows)
     src = by.get("memory") or by.get("ab")
@@ -94,11 +97,7 @@ def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
             ax.set_title("Resident KV vs context" + title_suffix)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=8)
-            f = folder / "kv_resident_vs_context.png"
-            fig.tight_layout()
-            fig.savefig(f, dpi=120)
-            plt.close(fig)
-            written.append(f)
+            written.append(_save(plt, fig, folder / "kv_resident_vs_context.png"))
 
     # needle heat map: depth x context, one panel per mode
     src = by.get("needle") or by.get("ab")
@@ -134,9 +133,5 @@ def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
             ax.set_xlabel("context")
         axes[0][0].set_ylabel("needle depth")
         fig.suptitle("Needle recall" + title_suffix, fontsize=10)
-        f = folder / "needle_heatmap.png"
-        fig.tight_layout()
-        fig.savefig(f, dpi=120)
-        plt.close(fig)
-        written.append(f)
+        written.append(_save(plt, fig, folder / "needle_heatmap.png"))
     return written
