@@ -14,6 +14,9 @@
 
 #include "ggml-cpu.h"
 #include "kvflash/attn_cpu.h"
+#ifdef KVFLASH_WITH_CUDA
+#include "ggml-cuda.h"
+#endif
 
 namespace kvflash {
 
@@ -29,6 +32,54 @@ const char *arch_name(Arch a) {
     }
     return "?";
 }
+
+// ---------------------------------------------------------------- devices
+
+static const char *const kDeviceForms = "'cpu', 'cuda' or 'cuda:N' (N: a CUDA device index)";
+
+std::string Device::name() const { return kind == Kind::CPU ? std::string("cpu") : "cuda:" + std::to_string(index); }
+
+Device parse_device(const std::string &s) {
+    Device d;
+    if (s == "cpu") return d;
+    if (s == "cuda" || s.rfind("cuda:", 0) == 0) {
+        d.kind = Device::Kind::CUDA;
+        if (s.size() > 4) {
+            const std::string n = s.substr(5);
+            if (n.empty() || n.size() > 4 || n.find_first_not_of("0123456789") != std::string::npos)
+                throw std::invalid_argument("device '" + s + "': the CUDA device index must be a non-negative integer; use " +
+                                            kDeviceForms);
+            d.index = std::stoi(n);
+        }
+#ifndef KVFLASH_WITH_CUDA
+        throw std::invalid_argument(
+            "device '" + s + "': kvflash was built without CUDA. Rebuild it with the CUDA backend: "
+            "pip install . -Ccmake.define.KVFLASH_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=<your GPU's, e.g. 86, 89 "
+            "or 90> (or KVFLASH_CUDA=ON pip install .; needs the CUDA toolkit with cuBLAS, see the README), "
+            "or use device='cpu'");
+#endif
+        return d;
+    }
+    throw std::invalid_argument("unknown device '" + s + "': use " + kDeviceForms);
+}
+
+bool cuda_compiled() {
+#ifdef KVFLASH_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+}
+
+int32_t cuda_device_count() {
+#ifdef KVFLASH_WITH_CUDA
+    return int32_t(ggml_backend_cuda_get_device_count());
+#else
+    return 0;
+#endif
+}
+
+[[maybe_unused]] static std::string mib(size_t bytes) { return std::to_string((bytes + (1u << 19)) >> 20) + " MiB"; }
 
 // ---------------------------------------------------------------- GGUF reading
 
@@ -161,9 +212,23 @@ static Hparams read_hparams(const KV &kv) {
     return hp;
 }
 
-std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads) {
+std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device) {
+    // The device first: a bad device string fails before any file work.
+    const Device dev = parse_device(device);
+#ifdef KVFLASH_WITH_CUDA
+    if (dev.kind == Device::Kind::CUDA) {
+        const int32_t n_dev = cuda_device_count();
+        if (n_dev == 0)
+            throw std::invalid_argument("device '" + device + "': kvflash was built with CUDA but no CUDA device is visible "
+                                        "(no driver, or CUDA_VISIBLE_DEVICES hides them); use device='cpu'");
+        if (dev.index >= n_dev)
+            throw std::invalid_argument("device '" + device + "': " + std::to_string(n_dev) +
+                                        " CUDA device(s) visible (cuda:0 .. cuda:" + std::to_string(n_dev - 1) + ")");
+    }
+#endif
     std::shared_ptr<Model> m(new Model());
     m->path_ = path;
+    m->device_ = dev;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) throw std::invalid_argument(path + ": no such file");
     if (!S_ISREG(st.st_mode)) throw std::invalid_argument(path + ": not a regular file");
@@ -260,7 +325,8 @@ std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads) {
         }
     }
 
-    // Weights: map the file and point the tensors into it (CPU); no copy.
+    // Weights: map the file; the CPU backend points the tensors into it (no copy),
+    // CUDA uploads them into one device buffer and drops the mapping.
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::invalid_argument(path + ": cannot open");
     m->map_bytes_ = size_t(st.st_size);
@@ -270,9 +336,37 @@ std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads) {
         m->map_ = nullptr;
         throw std::runtime_error(path + ": mmap failed");
     }
+    const int32_t threads = n_threads > 0 ? n_threads : int32_t(std::max(1u, std::thread::hardware_concurrency()));
+    if (dev.kind == Device::Kind::CUDA) {
+#ifdef KVFLASH_WITH_CUDA
+        m->backend_ = ggml_backend_cuda_init(dev.index);
+        if (!m->backend_) throw std::runtime_error("cannot initialise the ggml CUDA backend on " + dev.name());
+        m->set_n_threads(threads);
+        size_t need = 0;
+        for (int64_t i = 0; i < n_tensors; ++i) need += ggml_nbytes(ggml_get_tensor(m->meta_, gguf_get_tensor_name(m->gguf_, i)));
+        m->buf_ = ggml_backend_alloc_ctx_tensors(m->meta_, m->backend_);
+        if (!m->buf_) {
+            const auto mem = m->device_memory();
+            throw std::runtime_error(path + ": cannot allocate " + mib(need) + " of weights on " + dev.name() + " (" +
+                                     mib(mem.first) + " free of " + mib(mem.second) + ")");
+        }
+        ggml_backend_buffer_set_usage(m->buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ::madvise(m->map_, m->map_bytes_, MADV_SEQUENTIAL);
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            ggml_tensor *t = ggml_get_tensor(m->meta_, gguf_get_tensor_name(m->gguf_, i));
+            const char *addr = static_cast<const char *>(m->map_) + data_off + gguf_get_tensor_offset(m->gguf_, i);
+            ggml_backend_tensor_set(t, addr, 0, ggml_nbytes(t));  // synchronous (ggml-cuda syncs its copy stream)
+            m->weight_bytes_ += ggml_nbytes(t);
+        }
+        ::munmap(m->map_, m->map_bytes_);
+        m->map_ = nullptr;
+        m->map_bytes_ = 0;
+        return m;
+#endif
+    }
     m->backend_ = ggml_backend_cpu_init();
     if (!m->backend_) throw std::runtime_error("cannot initialise the ggml CPU backend");
-    m->set_n_threads(n_threads > 0 ? n_threads : int32_t(std::max(1u, std::thread::hardware_concurrency())));
+    m->set_n_threads(threads);
     m->buf_ = ggml_backend_cpu_buffer_from_ptr(m->map_, m->map_bytes_);
     ggml_backend_buffer_set_usage(m->buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (int64_t i = 0; i < n_tensors; ++i) {
@@ -297,7 +391,14 @@ Model::~Model() {
 void Model::set_n_threads(int32_t n) {
     if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
     n_threads_ = n;
-    ggml_backend_cpu_set_n_threads(backend_, n);
+    if (backend_ && ggml_backend_is_cpu(backend_)) ggml_backend_cpu_set_n_threads(backend_, n);
+}
+
+std::pair<size_t, size_t> Model::device_memory() const {
+    size_t free = 0, total = 0;
+    ggml_backend_dev_t d = backend_ ? ggml_backend_get_device(backend_) : nullptr;
+    if (d) ggml_backend_dev_memory(d, &free, &total);
+    return {free, total};
 }
 
 std::vector<int32_t> Model::global_layers() const {
@@ -334,6 +435,9 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     const ggml_type kvt = kv_type_from_name(cfg_.kv_type);
     if (cfg_.attn != "auto" && cfg_.attn != "ggml" && cfg_.attn != "pool")
         throw std::invalid_argument("attn must be 'auto', 'ggml' or 'pool', got '" + cfg_.attn + "'");
+    if (cfg_.attn == "pool" && !ggml_backend_is_cpu(model_->backend()))
+        throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel; the model is on " +
+                                    model_->device().name() + ": use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
     if (kvt == GGML_TYPE_F32) throw std::invalid_argument("kv_type f32 is not supported by the attention kernels; use f16, q8_0 or q4_0");
     if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
         throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
@@ -361,7 +465,11 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     else if (cfg_.host != "ram") throw std::invalid_argument("host must be 'ram' or 'file'");
     cache_ = std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path);
 
-    // Sliding-window layers keep a ring of their window (plus one ubatch of new keys).
+    // On CUDA the pool is in device memory: PagedCache has installed the async copy
+    // engine (cuda::make_pool_mover, ordered against ggml's compute stream by events)
+    // and a pinned host slab.
+    // Sliding-window layers keep a ring of their window (plus one ubatch of new keys),
+    // on the model's backend like the pool.
     const int32_t n_swa_layers = hp.n_layer - int32_t(specs.size());
     if (n_swa_layers > 0) {
         // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
@@ -517,6 +625,19 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     ggml_set_output(logits);
     g.logits = logits;
     ggml_build_forward_expand(g.gf, logits);
+    if (!ggml_backend_is_cpu(model_->backend())) {
+        // Without a scheduler every node runs on the model's backend: refuse a graph
+        // it cannot run here, with the op named, instead of an abort inside ggml.
+        for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
+            ggml_tensor *t = ggml_graph_node(g.gf, i);
+            if (ggml_backend_supports_op(model_->backend(), t)) continue;
+            std::string srcs;
+            for (int j = 0; j < GGML_MAX_SRC && t->src[j]; ++j) srcs += std::string(j ? ", " : "") + ggml_type_name(t->src[j]->type);
+            throw std::runtime_error(std::string("the ") + ggml_backend_name(model_->backend()) + " backend cannot run " +
+                                     ggml_op_desc(t) + " (node '" + ggml_get_name(t) + "', inputs " + srcs + ") for kv_type " +
+                                     cfg_.kv_type + "; try another kv_type or device='cpu'");
+        }
+    }
     g.alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model_->backend()));
     if (!ggml_gallocr_alloc_graph(g.alloc, g.gf)) throw std::runtime_error("cannot allocate the compute graph");
 }
@@ -532,8 +653,10 @@ Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits) {
     std::unique_ptr<Graph> &slot = n == 1 ? decode_graph_ : batch_graph_;
     if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits) return slot.get();
     auto t0 = clk::now();
-    slot = std::make_unique<Graph>();
-    build(*slot, n, n_kv, all_logits);
+    slot.reset();  // its allocator's buffer goes before the new one is made
+    auto g = std::make_unique<Graph>();
+    build(*g, n, n_kv, all_logits);  // may throw: the slot is only filled with a complete graph
+    slot = std::move(g);
     stats_.t_graph_ms += ms_since(t0);
     return slot.get();
 }
@@ -625,6 +748,7 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     if (ggml_backend_graph_compute(model_->backend(), g->gf) != GGML_STATUS_SUCCESS)
         throw std::runtime_error("eval: graph compute failed");
     stats_.t_compute_ms += ms_since(t0);
+    sync_for_host_read();
     n_past_ = pos0 + n;
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;
@@ -651,10 +775,15 @@ void Runtime::summarize_sealed(int64_t pos0, int32_t n) {
         summ_mean_.assign(per_chunk * pg.n_chunks(), 0.f);
     }
     std::vector<float> keys(size_t(C) * E);
+    bool synced = false;
     for (int64_t c = pos0 / C; c <= (pos0 + n - 1) / C; ++c) {
         if (summ_ready_[c] || pg.n_written(int32_t(c)) != C || pg.block_of(int32_t(c)) < 0) continue;
+        if (!synced) {
+            sync_for_host_read();  // once per eval, before the first pool read
+            synced = true;
+        }
         for (int32_t l = 0; l < L; ++l) {
-            chunk_keys(int32_t(c), l, keys.data());
+            chunk_keys_synced(int32_t(c), l, keys.data());
             float *mn = &summ_min_[c * per_chunk + size_t(l) * E], *mx = &summ_max_[c * per_chunk + size_t(l) * E];
             float *me = &summ_mean_[c * per_chunk + size_t(l) * E];
             for (int32_t e = 0; e < E; ++e) { mn[e] = keys[e]; mx[e] = keys[e]; me[e] = 0.f; }
@@ -717,6 +846,7 @@ void Runtime::attention_scores(float *out, int64_t n) const {
     const Hparams &hp = model_->hparams();
     const int32_t L = cache_->pool->n_layers(), D = hp.head_dim_k, H = hp.n_head;
     if (n_captured_ == 0) throw std::invalid_argument("attention_scores: no query captured yet");
+    sync_for_host_read();  // pool_attention_probs reads the pool's K rows
     std::fill(out, out + n, 0.f);
     const Pager &pg = *cache_->pager;
     const int32_t n_kv = pg.used_extent();
@@ -753,7 +883,17 @@ void Runtime::reset() {
     decode_mask_epoch_ = -1;
 }
 
+void Runtime::sync_for_host_read() const {
+    cache_->pool->fence();                       // queued page-outs/ins done (copy stream)
+    ggml_backend_synchronize(model_->backend()); // queued kernels done (compute stream)
+}
+
 void Runtime::chunk_keys(int32_t c, int32_t il, float *out) const {
+    sync_for_host_read();
+    chunk_keys_synced(c, il, out);
+}
+
+void Runtime::chunk_keys_synced(int32_t c, int32_t il, float *out) const {
     const Pager &pg = *cache_->pager;
     const int32_t C = cfg_.chunk_tokens, b = pg.block_of(c);
     if (b < 0) throw std::invalid_argument("chunk_keys: chunk " + std::to_string(c) + " is not resident");

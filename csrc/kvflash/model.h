@@ -1,8 +1,11 @@
 // GGUF models on ggml, decoding through the paged KV pool.
 //
-// Model:   weights and hyper-parameters read from a GGUF file (mmap on the CPU
-//          backend), every key and tensor shape validated before ggml sees it.
-//          Immutable once loaded; many runtimes may share one model.
+// Model:   weights and hyper-parameters read from a GGUF file, every key and
+//          tensor shape validated before ggml sees it.  On the CPU backend the
+//          weights are the mmap'd file; on CUDA (a KVFLASH_CUDA build) they are
+//          uploaded into a ggml-cuda buffer and the mapping is dropped.  Every
+//          runtime over a model computes on the model's backend (pool, ring and
+//          graphs live there too).  Immutable once loaded; many runtimes may share it.
 // Runtime: per-session state: the paged pool for globally attending layers, a
 //          ring of the window for sliding-window layers (gemma3), compute graphs,
 //          and the mask inputs.  Two cache modes over the same code: full cache
@@ -15,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ggml-alloc.h"
@@ -45,6 +49,21 @@ struct Hparams {
     int32_t n_embd_v() const { return head_dim_v * n_head_kv; }
 };
 
+// Devices a model can be loaded on: "cpu", "cuda" (= "cuda:0") or "cuda:N".
+struct Device {
+    enum class Kind { CPU, CUDA } kind = Kind::CPU;
+    int32_t index = 0;
+    std::string name() const;   // "cpu" | "cuda:N"
+};
+// Parses a device string.  Throws std::invalid_argument for anything else (naming
+// the accepted forms), and for "cuda..." in a build without CUDA (saying how to
+// rebuild with it).  Does not check that the CUDA device exists (load does).
+Device parse_device(const std::string &s);
+// Was this build compiled with KVFLASH_CUDA (ggml-cuda linked in)?
+bool cuda_compiled();
+// CUDA devices visible now (0 without CUDA compiled in, or without a driver/device).
+int32_t cuda_device_count();
+
 struct LayerWeights {
     ggml_tensor *attn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
     ggml_tensor *bq = nullptr, *bk = nullptr, *bv = nullptr;
@@ -57,7 +76,10 @@ class Model {
 public:
     // Throws std::invalid_argument naming the problem (not a GGUF, truncated,
     // unsupported architecture, missing key or tensor, wrong shape).
-    static std::shared_ptr<Model> load(const std::string &path, int32_t n_threads = 0);
+    // device: see parse_device.  "cuda" needs a KVFLASH_CUDA build and a visible device
+    // (std::invalid_argument otherwise; std::runtime_error if the weights do not fit).
+    static std::shared_ptr<Model> load(const std::string &path, int32_t n_threads = 0,
+                                       const std::string &device = "cpu");
     ~Model();
     Model(const Model &) = delete;
     Model &operator=(const Model &) = delete;
@@ -66,6 +88,13 @@ public:
     const std::string &path() const { return path_; }
     size_t weight_bytes() const { return weight_bytes_; }
     ggml_backend_t backend() const { return backend_; }
+    const Device &device() const { return device_; }
+    bool on_cpu() const { return device_.kind == Device::Kind::CPU; }
+    // Free and total bytes of the model's device now, from ggml's device memory query
+    // (on CUDA: cudaMemGetInfo, so free is what is left after the weights and whatever
+    // else is allocated; on the CPU ggml reports free == total, physical RAM).
+    std::pair<size_t, size_t> device_memory() const;
+    // CPU threads for the CPU backend's kernels; on CUDA only recorded.
     void set_n_threads(int32_t n);
     int32_t n_threads() const { return n_threads_; }
     // Model layer indices whose attention is global (these are paged).
@@ -77,12 +106,13 @@ public:
 private:
     Model() = default;
     std::string path_;
+    Device device_;
     Hparams hp_;
     gguf_context *gguf_ = nullptr;
     ggml_context *meta_ = nullptr;
     ggml_backend_t backend_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
-    void *map_ = nullptr;
+    void *map_ = nullptr;             // the file mapping (CPU backend only; unmapped after a CUDA upload)
     size_t map_bytes_ = 0, weight_bytes_ = 0;
     int32_t n_threads_ = 1;
 };
@@ -98,7 +128,9 @@ struct RuntimeConfig {
     std::string host_path;
     // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),
     // "ggml" (ggml_flash_attn_ext), or "auto" (pool for pieces of up to
-    // pool_attn_max_tokens queries, ggml above).  Other backends always use ggml.
+    // pool_attn_max_tokens queries, ggml above).  Other backends (CUDA) always use
+    // ggml_flash_attn_ext with the pager's F16 mask: "auto" and "ggml" mean that
+    // there, "pool" is refused (std::invalid_argument).
     std::string attn = "auto";
     int32_t pool_attn_max_tokens = 1 << 30;
     // Post-RoPE queries of the last capture_queries tokens of each eval are kept
@@ -140,6 +172,7 @@ public:
     // Post-RoPE keys of chunk c for paged layer index il, dequantized to f32:
     // out [chunk_tokens][n_embd_k]; rows of unwritten positions are zero.
     // Precondition: chunk resident.  (Used by the qk policy's chunk summaries.)
+    // Orders itself after queued compute and copies (sync_for_host_read).
     void chunk_keys(int32_t c, int32_t il, float *out) const;
 
     // Captured queries of the last eval: [n_paged][n_captured][n_head][head_dim], post-RoPE,
@@ -162,6 +195,12 @@ private:
     bool use_pool_attn(int32_t n) const;
     void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
     void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    // Before the host reads pool rows or graph outputs: wait for every queued page
+    // copy (the pool's fence: the copy stream on CUDA) and every queued kernel
+    // (ggml_backend_synchronize), since ggml-cuda's tensor_get runs on its own
+    // stream (copy_engine.h, rule (4)).  No-ops on the CPU backend.
+    void sync_for_host_read() const;
+    void chunk_keys_synced(int32_t c, int32_t il, float *out) const;
 
     std::shared_ptr<Model> model_;
     RuntimeConfig cfg_;
