@@ -108,6 +108,37 @@ py::dict stats_dict(const Pager &p, size_t pool_bytes) {
     return d;
 }
 
+// What this build is: CUDA compiled in, ggml's version, the registered ggml devices
+// and the CPU backend's features (the instruction sets ggml-cpu was compiled for).
+py::dict build_info() {
+    py::dict d;
+    d["cuda"] = cuda_compiled();
+    d["cuda_devices"] = cuda_device_count();
+    d["ggml_version"] = ggml_version();
+    d["ggml_commit"] = ggml_commit();
+    py::list devices;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        py::dict e;
+        e["name"] = ggml_backend_dev_name(dev);
+        e["description"] = ggml_backend_dev_description(dev);
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        e["memory_free"] = free;
+        e["memory_total"] = total;
+        devices.append(e);
+    }
+    d["devices"] = devices;
+    py::dict feats;
+    ggml_backend_reg_t cpu = ggml_backend_cpu_reg();
+    auto get_features = reinterpret_cast<ggml_backend_get_features_t>(
+        cpu ? ggml_backend_reg_get_proc_address(cpu, "ggml_backend_get_features") : nullptr);
+    if (get_features)
+        for (const ggml_backend_feature *f = get_features(cpu); f && f->name; ++f) feats[f->name] = f->value;
+    d["cpu_features"] = feats;
+    return d;
+}
+
 py::array_t<float> as_scores(const Pager &p, py::object scores) {
     auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(scores);
     if (!a) throw std::invalid_argument("scores must be a 1-D array of numbers");
@@ -124,6 +155,11 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "kvflash native core: pager, KV pool and model runtime over ggml";
     m.attr("ggml_version") = ggml_version();
     m.attr("ggml_commit") = ggml_commit();
+    m.def("cuda_available", [] { return cuda_compiled() && cuda_device_count() > 0; },
+          "True when this build has the CUDA backend (KVFLASH_CUDA=ON) and a CUDA device is visible.");
+    m.def("build_info", &build_info,
+          "Dict: cuda (compiled in), cuda_devices, ggml_version, ggml_commit, devices (ggml's registered devices "
+          "with memory), cpu_features (ggml-cpu's instruction sets).");
     m.def("min_pool_tokens", [](int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks) {
         PagerConfig c; c.chunk_tokens = chunk_tokens; c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks;
         return c.min_pool_tokens();
@@ -274,14 +310,27 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                         std::to_string(c.max_ctx) + " chunk_tokens=" + std::to_string(c.chunk_tokens) + ">";
              });
 
-    py::class_<Model, std::shared_ptr<Model>>(m, "Model", "GGUF weights and hyper-parameters (immutable, shareable).")
-        .def(py::init([](py::object path, int32_t n_threads) {
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model", R"doc(
+GGUF weights and hyper-parameters (immutable, shareable).
+
+Model(path, n_threads=0, device="cpu"): device "cpu", "cuda" (= "cuda:0") or "cuda:N".
+On CUDA the weights are uploaded to the device and every Runtime over the model
+computes there (pool, sliding-window ring and graphs in device memory, paged
+chunks in a pinned host slab).  ValueError for an unknown device, for CUDA in a
+build without it, or for a CUDA device that is not visible.
+)doc")
+        .def(py::init([](py::object path, int32_t n_threads, const std::string &device) {
                  if (n_threads < 0) throw std::invalid_argument("n_threads must be >= 0 (0: all cores)");
                  std::string p = py::str(path).cast<std::string>();
                  py::gil_scoped_release nogil;
-                 return Model::load(p, n_threads);
-             }), py::arg("path"), py::arg("n_threads") = 0)
+                 return Model::load(p, n_threads, device);
+             }), py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu")
         .def_property_readonly("path", &Model::path)
+        .def_property_readonly("device", [](const Model &m) { return m.device().name(); },
+                               "'cpu' or 'cuda:N'.")
+        .def("device_memory", &Model::device_memory,
+             "(free, total) bytes of the model's device now (ggml's device memory query; on CUDA free is what is "
+             "left after the weights and everything else allocated; on the CPU ggml reports free == total).")
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
         .def_property("n_threads", &Model::n_threads, [](Model &m, int32_t n) {
             if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
