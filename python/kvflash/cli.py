@@ -16,6 +16,8 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--allow-long-ctx", action="store_true", help="allow max_ctx above the trained context")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when built with it "
+                   "and a device is visible)")
 
 
 def _make_session(a):
@@ -30,7 +32,7 @@ def _make_session(a):
             raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {a.kvflash!r}")
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=pool, policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
-                   seed=a.seed, allow_long_ctx=a.allow_long_ctx)
+                   seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device)
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from . import _core
+from .devices import resolve_device
 from .models import DEFAULT_MODEL, resolve_model
 from .policies import ChunkView, LRUPolicy, Policy, validate_scores
 from .tokenizer import StreamDecoder, Tokenizer
@@ -59,20 +60,32 @@ def kv_bytes_per_token(hp: dict, kv_type: str, n_paged_layers: int) -> float:
 
 def auto_pool(hp: dict, kv_type: str, n_paged_layers: int, weight_bytes: int, max_ctx: int,
               expect_drafter: bool, *, free_bytes: Optional[int] = None,
-              cap_tokens: int = AUTO_CAP_TOKENS) -> tuple[int, str]:
+              cap_tokens: int = AUTO_CAP_TOKENS, device: str = "cpu") -> tuple[int, str]:
     """Pool size for kvflash="auto" and the reason, as the banner prints it.
 
     CPU: a share of available RAM after the weights and a headroom (more when a
     drafter is expected), halved, capped, rounded to 256, floor at the minimum
     pool, never above max_ctx.
+    CUDA (device "cuda:N"): the same rule over free device memory, which the caller
+    passes as free_bytes = Model.device_memory()[0], queried after the weights were
+    loaded (so they are not subtracted again); the headroom is for compute buffers
+    and cuBLAS workspaces, plus the reserve when a drafter is expected.
     """
     floor = _core.min_pool_tokens()
-    free = available_ram() if free_bytes is None else free_bytes
-    headroom = (1 << 30) + (768 << 20 if expect_drafter else 0)
-    budget = max(0, free - weight_bytes - headroom) // 2
+    drafter_reserve = 768 << 20 if expect_drafter else 0
+    if device.startswith("cuda"):
+        if free_bytes is None:
+            raise ValueError("auto_pool on CUDA needs free_bytes (free device memory after the weights)")
+        free = free_bytes
+        budget = max(0, free - (512 << 20) - drafter_reserve) // 2
+        where = f"half of free {device} memory after weights and headroom, {free / 2**20:.0f} MiB free"
+    else:
+        free = available_ram() if free_bytes is None else free_bytes
+        budget = max(0, free - weight_bytes - (1 << 30) - drafter_reserve) // 2
+        where = "half of free RAM after weights and headroom"
     per_tok = kv_bytes_per_token(hp, kv_type, n_paged_layers)
     tokens = int(budget // per_tok) if per_tok > 0 else cap_tokens
-    why = f"{budget / 2**20:.0f} MiB budget (half of free RAM after weights and headroom)"
+    why = f"{budget / 2**20:.0f} MiB budget ({where})"
     if tokens > cap_tokens:
         tokens, why = cap_tokens, f"capped at {cap_tokens} ({why})"
     tokens = tokens // 256 * 256
@@ -107,7 +120,7 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True):
+                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto"):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -116,9 +129,11 @@ class Session:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
             raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
+        device = resolve_device(device)
         self.model_path = resolve_model(model)
         self.threads = threads or physical_cores()
-        self.model = _core.Model(str(self.model_path), self.threads)
+        self.model = _core.Model(str(self.model_path), self.threads, device=device)
+        self.device = self.model.device
         hp = self.model.hparams
         self.hparams = hp
         if max_ctx is None:
@@ -145,8 +160,10 @@ class Session:
         if kvflash is None:
             pool = 0
         elif kvflash == "auto":
+            on_cuda = self.device.startswith("cuda")
             pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
-                                               expect_drafter=self.policy.name == "drafter")
+                                               expect_drafter=self.policy.name == "drafter", device=self.device,
+                                               free_bytes=self.model.device_memory()[0] if on_cuda else None)
             if pool >= (max_ctx + 255) // 256 * 256:
                 pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
         else:
