@@ -4,20 +4,25 @@ These run only on a CUDA build on a machine with a GPU (bench/device/check.sh
 runs them on a lent GPU machine); everywhere else every test skips with the
 reason.  Nothing here is CUDA-specific in Python: they compare two runtimes.
 
-Assumed Python API of a CUDA build (the CPU build has none of it yet; issue 6):
+The Python API of a CUDA build (csrc/bindings/module.cpp; tests/test_device.py
+covers the parts that behave the same in a CPU-only build):
 
-    kvflash._core.cuda_available          bool (or a callable returning bool): the
-                                          module was built with KVFLASH_CUDA=ON and
-                                          a CUDA device is usable now.
+    kvflash._core.cuda_available()        True: built with KVFLASH_CUDA=ON and a CUDA
+                                          device is visible now.
     kvflash._core.Model(path, n_threads, device="cuda")
                                           weights in a ggml-cuda buffer; every
                                           Runtime over it computes on that backend,
-                                          pool in VRAM, host store a pinned slab.
-                                          device="cpu" (the default) is today's model.
-    Model.device                          "cpu" | "cuda" (optional; checked if present)
+                                          pool and sliding-window ring in VRAM, host
+                                          store a pinned slab, pages moved by the
+                                          async copy engine (csrc/cuda/copy_engine.h).
+    Model.device                          "cpu" | "cuda:N"
+    Model.device_memory()                 (free, total) bytes of the device now
     kvflash._core.Runtime(model, max_ctx=, pool_tokens=, kv_type=, ...)
-                                          unchanged; attn= is ignored off the CPU.
+                                          unchanged; on CUDA attn="auto"/"ggml" is
+                                          ggml_flash_attn_ext, attn="pool" ValueError.
     Runtime.eval(tokens, all_logits)      unchanged: float32 logits on the host.
+    kvflash.Session(..., device="auto")   CUDA when cuda_available(); kvflash="auto"
+                                          sizes the pool from free device memory.
 
 Error measure: normalised mean squared error, as ggml's test-backend-ops does
 (sum (a-b)^2 / sum b^2, b = the CPU result), plus greedy-token identity.  The
@@ -89,10 +94,9 @@ def models(tmp_path_factory):
         if arch not in cache:
             path = tmp_path_factory.mktemp("cuda") / f"{arch}.gguf"
             write_tiny_model(path, arch, weight_type="f32", seed=11, ctx_len=8192, **ARCH_KW[arch])
-            cpu = core.Model(str(path), 4)
+            cpu = core.Model(str(path), 4, device="cpu")
             gpu = core.Model(str(path), 4, device="cuda")
-            if hasattr(gpu, "device"):
-                assert gpu.device == "cuda"
+            assert (cpu.device, gpu.device) == ("cpu", "cuda:0")
             cache[arch] = (cpu, gpu)
         return cache[arch]
 
@@ -145,10 +149,84 @@ def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
             break
     worst = max(errs)
     report(f"kvflash-decode {arch} {kv_type}", worst, NMSE_TOL[kv_type])
-    st = rg.pager.stats() if hasattr(rg.pager, "stats") else None
+    st = rg.pager.stats
+    assert st["page_outs"] > 0 and st["page_ins"] >= 0, st  # the prompt really paged through the pinned slab
     assert worst < NMSE_TOL[kv_type], (errs, st)
     srt = np.sort(b)
     assert ta == tb, f"greedy tokens diverge: cuda {ta} cpu {tb}; cpu top-2 margin {srt[-1] - srt[-2]:.3g}"
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", sorted(ARCH_KW))
+def test_full_cache_greedy_decode(models, arch, kv_type):
+    """Full cache: a prompt, then 32 greedy steps; logits per step and identical tokens."""
+    rc, rg, V = runtimes(models, arch, max_ctx=1024, pool_tokens=0, kv_type=kv_type)
+    prompt = toks(200, 5, V)
+    a, b = rg.eval(prompt, False), rc.eval(prompt, False)
+    errs, ta, tb = [nmse(a, b)], [int(a.argmax())], [int(b.argmax())]
+    for _ in range(32):
+        a = rg.eval(np.array([ta[-1]], np.int32), False)
+        b = rc.eval(np.array([tb[-1]], np.int32), False)
+        errs.append(nmse(a, b))
+        ta.append(int(a.argmax()))
+        tb.append(int(b.argmax()))
+        if ta[-1] != tb[-1]:
+            break
+    report(f"full-decode {arch} {kv_type}", max(errs), NMSE_TOL[kv_type])
+    assert max(errs) < NMSE_TOL[kv_type], errs
+    assert ta == tb, f"greedy tokens diverge: cuda {ta} cpu {tb}"
+
+
+def test_host_reads_of_the_pool_follow_the_copies(models):
+    """The host reads of pool rows (chunk_keys, the key summaries made when a chunk
+    seals, attention_scores) and the captured queries, on CUDA right after paging:
+    they must see the bytes the copy engine and the kernels wrote (fence + sync)."""
+    kw = dict(max_ctx=4096, pool_tokens=512, kv_type="f16", ubatch=64, chunk_summaries=True, capture_queries=4)
+    rc, rg, V = runtimes(models, "llama", **kw)
+    t = toks(1300, 6, V)
+    for rt in (rg, rc):
+        rt.eval(t, False)
+        rt.pager.recall(2)  # page a chunk in just before reading it
+    assert rg.pager.chunk_table()["block"][2] >= 0
+    err = nmse(rg.chunk_keys(2, 0), rc.chunk_keys(2, 0))
+    report("host-read chunk_keys", err, 1e-5)
+    assert err < 1e-5
+    err = nmse(rg.captured_queries(), rc.captured_queries())
+    report("host-read captured_queries", err, 1e-5)
+    assert err < 1e-5
+    for mode in ("bound", "mean"):
+        a, b = rg.qk_scores(mode), rc.qk_scores(mode)
+        fin = np.isfinite(b)
+        assert (np.isfinite(a) == fin).all()
+        err = nmse(a[fin], b[fin])
+        report(f"host-read qk_scores {mode}", err, 1e-4)
+        assert err < 1e-4
+    err = nmse(rg.attention_scores(), rc.attention_scores())
+    report("host-read attention_scores", err, 1e-4)
+    assert err < 1e-4
+
+
+def test_cuda_model_api(models):
+    _, gpu = models("llama")
+    free, total = gpu.device_memory()
+    assert 0 < free <= total
+    with pytest.raises(ValueError, match="CPU attention kernel"):
+        core.Runtime(gpu, max_ctx=1024, pool_tokens=512, attn="pool")
+    core.Runtime(gpu, max_ctx=1024, pool_tokens=512, attn="ggml").eval(toks(10, 7, gpu.hparams["n_vocab"]))
+    n = core.build_info()["cuda_devices"]
+    with pytest.raises(ValueError, match="CUDA device"):
+        core.Model(gpu.path, 1, device=f"cuda:{n}")
+
+
+def test_session_on_cuda_sizes_the_pool_from_device_memory(models):
+    import kvflash
+    _, gpu = models("llama")
+    s = kvflash.Session(gpu.path, max_ctx=8192, kvflash="auto", policy="lru", threads=2, device="auto",
+                        verbose=False)
+    assert s.device == "cuda:0"
+    assert "free cuda:0 memory" in s.auto_reason, s.auto_reason
+    s.prefill(list(range(1, 200)))
+    assert s.runtime.n_past == 199
 
 
 @pytest.mark.parametrize("arch", ["llama"])

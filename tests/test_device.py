@@ -1,0 +1,127 @@
+"""Device selection as Python sees it, in any build: device strings, the CUDA
+rebuild hint in a CPU-only build, cuda_available/build_info, Session(device=...),
+and the CUDA branch of the auto pool rule (pure arithmetic, no GPU needed)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("gguf")
+import kvflash  # noqa: E402
+from kvflash import _core  # noqa: E402
+from kvflash.devices import resolve_device  # noqa: E402
+from kvflash.session import auto_pool, kv_bytes_per_token  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tinygguf import write_tiny_model  # noqa: E402
+
+CUDA_BUILT = bool(_core.build_info()["cuda"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dev") / "tiny.gguf"
+    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=3)
+    return str(path)
+
+
+def test_build_info_keys():
+    info = _core.build_info()
+    assert {"cuda", "cuda_devices", "ggml_version", "ggml_commit", "devices", "cpu_features"} <= set(info)
+    assert isinstance(info["cuda"], bool)
+    assert info["ggml_version"] == _core.ggml_version
+    assert any(d["name"] == "CPU" for d in info["devices"])
+    assert all(d["memory_total"] > 0 for d in info["devices"])
+    assert isinstance(info["cpu_features"], dict)
+    assert kvflash.build_info()["cuda"] == info["cuda"]
+
+
+def test_cuda_available_consistent_with_build():
+    avail = _core.cuda_available()
+    assert isinstance(avail, bool)
+    assert avail == (CUDA_BUILT and _core.build_info()["cuda_devices"] > 0)
+    if not CUDA_BUILT:
+        assert avail is False
+
+
+def test_cpu_model_device_and_memory(tiny):
+    m = _core.Model(tiny, 1)
+    assert m.device == "cpu"
+    assert _core.Model(tiny, 1, device="cpu").device == "cpu"
+    free, total = m.device_memory()
+    assert 0 < free <= total
+
+
+@pytest.mark.parametrize("bad", ["gpu", "CPU", "cuda:", "cuda:x", "cuda:-1", "cuda0", "", "metal"])
+def test_unknown_device_strings(tiny, bad):
+    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'cuda:N'"):
+        _core.Model(tiny, 1, device=bad)
+
+
+@pytest.mark.skipif(CUDA_BUILT, reason="this build has CUDA")
+@pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_without_cuda_build_says_how_to_rebuild(tiny, dev):
+    with pytest.raises(ValueError) as e:
+        _core.Model(tiny, 1, device=dev)
+    msg = str(e.value)
+    assert "built without CUDA" in msg
+    assert "KVFLASH_CUDA=ON" in msg and "CMAKE_CUDA_ARCHITECTURES" in msg
+    with pytest.raises(ValueError, match="built without CUDA"):
+        kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="lru", threads=1, verbose=False, device=dev)
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("cuda:2") == "cuda:2"
+    assert resolve_device("auto") == ("cuda" if _core.cuda_available() else "cpu")
+    for bad in ("gpu", "cuda:x", "", None, 0):
+        with pytest.raises(ValueError):
+            resolve_device(bad)
+
+
+def test_session_device_auto_and_cpu(tiny):
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy="lru", threads=1, verbose=False, device="auto")
+    assert s.device == ("cuda:0" if _core.cuda_available() else "cpu")
+    s.prefill(list(range(1, 100)))
+    assert s.runtime.n_past == 99
+    c = kvflash.Session(tiny, max_ctx=2048, kvflash="auto", policy="lru", threads=1, verbose=False, device="cpu")
+    assert c.device == "cpu" and "free RAM" in c.auto_reason
+    with pytest.raises(ValueError, match="unknown device"):
+        kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="lru", threads=1, verbose=False, device="tpu")
+
+
+HP = {"head_dim": 64, "n_head_kv": 4}
+
+
+def test_auto_pool_cuda_rule():
+    per_tok = kv_bytes_per_token(HP, "q8_0", 24)          # 24 paged layers: 13056 bytes per token
+    MiB = 1 << 20
+    # budget = (free - 512 MiB headroom) / 2, no weights subtracted (free is measured after them)
+    free = 512 * MiB + 2 * int(3000 * per_tok)
+    tok, why = auto_pool(HP, "q8_0", 24, weight_bytes=10 << 30, max_ctx=131072, expect_drafter=False,
+                         free_bytes=free, device="cuda:0")
+    assert tok == 3000 // 256 * 256
+    assert "free cuda:0 memory" in why and f"{free / MiB:.0f} MiB free" in why
+    # a drafter reserves 768 MiB more
+    tok_d, _ = auto_pool(HP, "q8_0", 24, 0, 131072, True, free_bytes=free + 768 * MiB, device="cuda:0")
+    assert tok_d == tok
+    # capped at 16K, floor at the minimum pool, never above max_ctx
+    big, why = auto_pool(HP, "q8_0", 24, 0, 131072, False, free_bytes=80 << 30, device="cuda:0")
+    assert big == 16384 and why.startswith("capped at 16384")
+    small, why = auto_pool(HP, "q8_0", 24, 0, 131072, False, free_bytes=512 * MiB + 2 * int(100 * per_tok),
+                           device="cuda:0")
+    assert small == _core.min_pool_tokens() and why.startswith("floor")
+    fits, why = auto_pool(HP, "q8_0", 24, 0, 1000, False, free_bytes=80 << 30, device="cuda:0")
+    assert fits == 1024 and why.startswith("max_ctx 1000 fits")
+    with pytest.raises(ValueError, match="free_bytes"):
+        auto_pool(HP, "q8_0", 24, 0, 4096, False, device="cuda:0")
+
+
+def test_auto_pool_cpu_rule_unchanged():
+    per_tok = kv_bytes_per_token(HP, "f16", 8)
+    free = (1 << 30) + (100 << 20) + 2 * int(2048 * per_tok)
+    tok, why = auto_pool(HP, "f16", 8, 100 << 20, 131072, False, free_bytes=free)
+    assert tok == 2048 and "free RAM" in why
