@@ -12,7 +12,10 @@
 #      the test sees the reference's race).
 #   2. full build: -DKVFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 #      -DGGML_CUDA_NO_VMM=ON into build-cuda with all cores (ggml-cuda is the long part).
-#   3. pytest tests/test_cuda.py (CUDA vs CPU parity) with the module just built.
+#   3. pytest tests/test_cuda.py (CUDA vs CPU parity: logits in both cache modes, greedy
+#      tokens, host reads of the pool after paging, Model(device="cuda") API) and
+#      tests/test_device.py (device strings, Session(device="auto"), auto pool) with the
+#      module just built.
 #   4. decode curve (tok/s vs context, full cache vs kvflash) for a 0.5B random-weight
 #      model, 8K..128K, with what time is left: results + plot.
 # Writes $OUT/summary.md (verdicts, numbers, GPU name) and at most 7 more files
@@ -65,7 +68,7 @@ while [ $# -gt 0 ]; do
             done
             rm -rf "$d"/src/ggml-cuda/vendors/hip* "$d"/src/ggml-cuda/vendors/musa* 2>/dev/null
             du -sh "$d"; exit 0 ;;
-        -h|--help) sed -n 2,52p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,49p "$0"; exit 0 ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
     shift
@@ -241,7 +244,7 @@ if [ $BUILD_OK = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ 3. parity tests
-sum "## 3. Backend parity (tests/test_cuda.py)"
+sum "## 3. Backend parity (tests/test_cuda.py, tests/test_device.py)"
 sum ""
 PT_LOG="$OUTDIR/pytest.log"
 if [ $HAVE_GGUF = 0 ]; then
@@ -249,7 +252,10 @@ if [ $HAVE_GGUF = 0 ]; then
 elif [ $BUILD_OK = 1 ] || [ $DRY = 1 ]; then
     T=$(step_timeout 150 90)
     say "3. pytest (timeout ${T}s)"
-    PYTHONUNBUFFERED=1 timeout "$T" "$PY" -m pytest tests/test_cuda.py -v -s -rs -p no:cacheprovider > "$PT_LOG" 2>&1; rc=$?
+    PYTHONUNBUFFERED=1 timeout "$T" "$PY" -m pytest tests/test_cuda.py tests/test_device.py -v -s -rs \
+        -p no:cacheprovider > "$PT_LOG" 2>&1; rc=$?
+    [ $DRY = 1 ] || "$PY" -c "import kvflash._core as c; print('build_info:', c.build_info())" >> "$PT_LOG" 2>&1
+    grep -E "^build_info:" "$PT_LOG" | cut -c1-400 | sed 's/^/    /' >> "$SUMMARY"
     sum "- pytest exit $rc: $(tail -1 "$PT_LOG")"
     grep -E "^CUDA-PARITY" "$PT_LOG" | sed 's/^/    /' >> "$SUMMARY"
     grep -E "^(FAILED|SKIPPED)" "$PT_LOG" | head -20 | sed 's/^/    /' >> "$SUMMARY"

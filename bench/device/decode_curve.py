@@ -10,8 +10,8 @@ DIR/decode_curve.png (when matplotlib is present).
     python bench/device/decode_curve.py --device cuda --geometry 0.5b --contexts 8k,16k,32k,64k,128k \
         --pool 4096 --out $OUT --budget 240
 
---device cpu passes no device argument (today's CPU-only module); --device cuda
-passes device="cuda" to kvflash._core.Model (the API the CUDA build is to add).
+--device is passed to kvflash._core.Model(path, n_threads, device=...): "cuda" needs a
+KVFLASH_CUDA build (weights, pool and graphs on the GPU, paging through the pinned slab).
 """
 from __future__ import annotations
 
@@ -90,8 +90,10 @@ def main(argv=None) -> int:
         params = n_params(g, V)
         print(f"[decode-curve] geometry {args.geometry}: {params / 1e9:.3f}e9 params, vocab {V}, "
               f"gguf {path.stat().st_size / 2**20:.0f} MiB written in {time.monotonic() - t0:.1f}s", flush=True)
-        kw = {"device": "cuda"} if args.device == "cuda" else {}
-        model = core.Model(str(path), args.threads, **kw)
+        model = core.Model(str(path), args.threads, device=args.device)
+        free, total = model.device_memory()
+        print(f"[decode-curve] model on {model.device}: {model.weight_bytes / 2**20:.0f} MiB of weights, "
+              f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after them", flush=True)
         rng = np.random.default_rng(0)
         stream = rng.integers(0, V, max_ctx).astype(np.int32)
         rows, stopped = [], None
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
             if stopped:
                 break
     summary = dict(rows=rows, stopped=stopped, seconds=time.monotonic() - t_start,
-                   ggml_version=getattr(core, "ggml_version", None))
+                   ggml_version=getattr(core, "ggml_version", None), build_info=core.build_info())
     (out / "decode_curve.json").write_text(json.dumps(summary, indent=1))
     if stopped:
         print(f"[decode-curve] {stopped}", flush=True)
