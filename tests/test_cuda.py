@@ -51,8 +51,8 @@ NMSE_TOL = {"f16": 1e-4, "q8_0": 5e-4}
 def _cuda_reason() -> str | None:
     """None if CUDA parity can run here, else why not."""
     avail = getattr(core, "cuda_available", None)
-    if avail is None:
-        return "kvflash._core has no cuda_available: not a CUDA build (KVFLASH_CUDA=ON)"
+    if avail is None or not core.build_info()["cuda"]:
+        return "not a CUDA build (pip install . -Ccmake.define.KVFLASH_CUDA=ON, see the README)"
     try:
         ok = bool(avail() if callable(avail) else avail)
     except Exception as e:  # a CUDA build without a driver may raise
