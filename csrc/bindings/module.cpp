@@ -485,6 +485,16 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  }
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
+        .def("history_attention", [](PyRuntime &r, int32_t n_threads) {
+                 py::array_t<float> out(py::ssize_t(r.rt->n_past()));
+                 if (n_threads <= 0) n_threads = r.model->n_threads();
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->history_attention(out.mutable_data(), r.rt->n_past(), n_threads);
+                 }
+                 return out;
+             }, py::arg("n_threads") = 0,
+             "Like attention_scores, over the whole history: paged-out keys are read from the host store.")
         .def("captured_queries", [](PyRuntime &r) {
                  const Hparams &h = r.model->hparams();
                  const int32_t nc = r.rt->n_captured();

@@ -278,30 +278,28 @@ ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *
 
 namespace kvflash {
 
-void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
-                          int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
-                          int64_t n_pos) {
-    if (n_kv <= 0 || nq <= 0) return;
-    const row_to_f32 conv = converter(k->type);
+void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
+                          const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
+                          const int64_t *q_pos, float scale, float *out, int64_t n_pos) {
+    if (n_rows <= 0 || nq <= 0) return;
+    const row_to_f32 conv = converter(type);
     if (!conv) throw std::invalid_argument("attention scores: unsupported K type");
     const int32_t G = H / Hkv;
-    std::vector<uint8_t> raw(size_t(n_kv) * k->nb[1]);
-    ggml_backend_tensor_get(const_cast<ggml_tensor *>(k), raw.data(), 0, raw.size());
-    const size_t k_head = ggml_row_size(k->type, D);
-    std::vector<float> Kg(size_t(n_kv) * D), logits(n_kv), avg(n_kv);
-    std::vector<int32_t> live;  // slots holding a written position
-    for (int32_t s = 0; s < n_kv; ++s)
-        if (slot_pos[s] >= 0 && slot_pos[s] < n_pos) live.push_back(s);
+    const size_t k_head = ggml_row_size(type, D);
+    std::vector<float> Kg(size_t(n_rows) * D), logits(n_rows), avg(n_rows);
+    std::vector<int64_t> live;  // rows holding a written position
+    for (int64_t s = 0; s < n_rows; ++s)
+        if (row_pos[s] >= 0 && row_pos[s] < n_pos) live.push_back(s);
     for (int32_t g = 0; g < Hkv; ++g) {
-        for (int32_t s : live) conv(raw.data() + size_t(s) * k->nb[1] + g * k_head, &Kg[size_t(s) * D], D);
+        for (int64_t s : live) conv(rows + size_t(s) * row_bytes + g * k_head, &Kg[size_t(s) * D], D);
         for (int32_t hh = 0; hh < G; ++hh) {
             const int32_t h = g * G + hh;
             std::fill(avg.begin(), avg.end(), 0.f);
             for (int32_t i = 0; i < nq; ++i) {
                 const float *qh = q + (size_t(i) * H + h) * D;
                 float mx = -std::numeric_limits<float>::infinity();
-                for (int32_t s : live) {
-                    if (slot_pos[s] > q_pos[i]) continue;
+                for (int64_t s : live) {
+                    if (row_pos[s] > q_pos[i]) continue;
                     float d = 0.f;
                     dots(qh, &Kg[size_t(s) * D], 1, D, &d);
                     logits[s] = d * scale;
@@ -309,15 +307,24 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
                 }
                 if (mx == -std::numeric_limits<float>::infinity()) continue;
                 double sum = 0;
-                for (int32_t s : live)
-                    if (slot_pos[s] <= q_pos[i]) sum += std::exp(double(logits[s] - mx));
+                for (int64_t s : live)
+                    if (row_pos[s] <= q_pos[i]) sum += std::exp(double(logits[s] - mx));
                 const float inv = float(1.0 / sum) / float(nq);
-                for (int32_t s : live)
-                    if (slot_pos[s] <= q_pos[i]) avg[s] += std::exp(logits[s] - mx) * inv;
+                for (int64_t s : live)
+                    if (row_pos[s] <= q_pos[i]) avg[s] += std::exp(logits[s] - mx) * inv;
             }
-            for (int32_t s : live) out[slot_pos[s]] = std::max(out[slot_pos[s]], avg[s]);
+            for (int64_t s : live) out[row_pos[s]] = std::max(out[row_pos[s]], avg[s]);
         }
     }
+}
+
+void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
+                          int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
+                          int64_t n_pos) {
+    if (n_kv <= 0 || nq <= 0) return;
+    std::vector<uint8_t> raw(size_t(n_kv) * k->nb[1]);
+    ggml_backend_tensor_get(const_cast<ggml_tensor *>(k), raw.data(), 0, raw.size());
+    attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos);
 }
 
 }  // namespace kvflash

@@ -754,12 +754,22 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     stats_.n_tokens_evaluated += n;
     if (logits_out) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
     if (g->n_capture > 0) {
+        // The capture is a window over the last capture_queries positions across evals
+        // (a decode step adds one query; the window still holds the ones before it).
+        // The previous window ends at pos0 - 1: truncate trims it with the cache.
         const Hparams &hp = model_->hparams();
-        const size_t per = size_t(g->n_capture) * hp.n_head * hp.head_dim_k;
-        captured_q_.resize(per * g->q_out.size());
-        for (size_t l = 0; l < g->q_out.size(); ++l)
-            ggml_backend_tensor_get(g->q_out[l], captured_q_.data() + l * per, 0, per * sizeof(float));
-        n_captured_ = g->n_capture;
+        const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = g->q_out.size();
+        const int32_t nc = g->n_capture, keep = std::min(n_captured_, std::max(0, cfg_.capture_queries - nc));
+        std::vector<float> next(size_t(keep + nc) * qsz * nl);
+        for (size_t l = 0; l < nl; ++l) {
+            float *dst = next.data() + l * size_t(keep + nc) * qsz;
+            if (keep > 0)
+                std::memcpy(dst, captured_q_.data() + (l * size_t(n_captured_) + (n_captured_ - keep)) * qsz,
+                            size_t(keep) * qsz * sizeof(float));
+            ggml_backend_tensor_get(g->q_out[l], dst + size_t(keep) * qsz, 0, size_t(nc) * qsz * sizeof(float));
+        }
+        captured_q_.swap(next);
+        n_captured_ = keep + nc;
     }
     if (cfg_.chunk_summaries) summarize_sealed(pos0, n);
 }
@@ -868,6 +878,21 @@ void Runtime::truncate(int64_t n_past) {
                                     std::to_string(n_past) + "; reset and evaluate the prefix again");
     cache_->pager->truncate(n_past);
     for (size_t c = size_t(n_past / cfg_.chunk_tokens); c < summ_ready_.size(); ++c) summ_ready_[c] = 0;
+    // Captured queries at positions >= n_past go with the cache; the window keeps its start.
+    if (n_captured_ > 0) {
+        const int64_t first = n_past_ - n_captured_;
+        const int32_t keep = int32_t(std::max<int64_t>(0, n_past - first));
+        if (keep < n_captured_) {
+            const Hparams &hp = model_->hparams();
+            const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = captured_q_.size() / (size_t(n_captured_) * qsz);
+            std::vector<float> next(size_t(keep) * qsz * nl);
+            for (size_t l = 0; l < nl && keep > 0; ++l)
+                std::memcpy(next.data() + l * size_t(keep) * qsz, captured_q_.data() + l * size_t(n_captured_) * qsz,
+                            size_t(keep) * qsz * sizeof(float));
+            captured_q_.swap(next);
+            n_captured_ = keep;
+        }
+    }
     for (auto &p : swa_pos_)
         if (p >= n_past) p = -1;
     n_past_ = n_past;

@@ -188,6 +188,11 @@ public:
     // softmax over the visible positions, averaged over the queries; max over heads
     // and layers.  out[p] for p < n (0 for positions not visible/resident).
     void attention_scores(float *out, int64_t n) const;
+    // The same over the whole history, paged-out chunks included: K rows are read
+    // from the pool for resident chunks and from the host store for the rest (the
+    // host copy is bit-exact), so the scores are what a full cache would give for
+    // these queries.  One pass over every key per call; layers split over n_threads.
+    void history_attention(float *out, int64_t n, int32_t n_threads) const;
 
 private:
     struct Graph;

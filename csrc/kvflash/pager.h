@@ -143,6 +143,7 @@ public:
     std::string dump() const;
 
     HostStore &host_store() { return *host_; }
+    const HostStore &host_store() const { return *host_; }
 
 private:
     bool protected_under(int32_t c, int64_t head) const;
