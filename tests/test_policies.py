@@ -205,3 +205,43 @@ def test_qk_policy_in_session(tiny):
     assert s.stats["rescores"] == 1
     list(s.generate(max_tokens=20, ignore_eos=True))
     s.pager.check_invariants()
+
+
+def test_history_attention_sees_paged_out_keys(tmp_path):
+    # One layer: its keys and queries depend only on the tokens, so a pooled runtime that
+    # paged most of the history out must score exactly what a full cache scores.
+    path = str(tmp_path / "one.gguf")
+    write_tiny_model(path, "llama", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=9)
+    m = _core.Model(path, 1)
+    toks = _tokens(64 * 14 + 20, 7)
+    full = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="q8_0", capture_queries=8)
+    pooled = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="q8_0", capture_queries=8, seed=4)
+    for rt in (full, pooled):
+        rt.eval(toks[:-5])
+        for t in toks[-5:]:                       # decode steps: the capture window spans evals
+            rt.eval(np.asarray([t], dtype=np.int32))
+    assert pooled.pager.stats["host_chunks"] > 0
+    assert pooled.captured_queries().shape[1] == 8
+    np.testing.assert_allclose(pooled.captured_queries(), full.captured_queries(), rtol=1e-5, atol=1e-6)
+    want = full.attention_scores()
+    got = pooled.history_attention()
+    assert got.shape == want.shape == (len(toks),)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    # the pool-only scores cannot see the paged-out positions
+    unseen = pooled.attention_scores() == 0
+    assert unseen.sum() >= 64 * 6 and (got[unseen] > 0).mean() > 0.9
+    # truncate trims the capture window with the cache
+    pooled.truncate(len(toks) - 3)
+    assert pooled.captured_queries().shape[1] == 5
+    with pytest.raises(ValueError, match="captured"):
+        _core.Runtime(m, max_ctx=1024, pool_tokens=0).history_attention()
+
+
+def test_qk_modes_and_errors():
+    assert QKPolicy().name == "qk" and QKPolicy().n_queries == 8 and not QKPolicy().needs_chunk_summaries
+    assert QKPolicy("bound").needs_chunk_summaries and QKPolicy("mean").name == "qk-mean"
+    with pytest.raises(ValueError, match="qk mode"):
+        QKPolicy("nope")
+    with pytest.raises(ValueError, match="n_queries"):
+        QKPolicy(n_queries=0)

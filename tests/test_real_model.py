@@ -51,6 +51,70 @@ def test_greedy_identical_full_vs_pool_without_eviction(model_path):
     assert outs[0] == outs[1]
 
 
+def test_greedy_200_identical_across_policies(model_path):
+    # Short prompt, nothing evicted: every policy (rescoring or not) must leave the
+    # greedy output of a 200-token generation exactly as the full cache has it.
+    prompt = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
+    outs = {}
+    for name, pool, policy in (("full", None, "lru"), ("lru", 1024, "lru"), ("qk", 1024, "qk"),
+                               ("qk-bound", 1024, "qk-bound"), ("drafter", 1024, "drafter")):
+        kw = {"drafter": model_path} if policy == "drafter" else {}
+        s = kvflash.Session(model_path, max_ctx=2048, kvflash=pool, policy=policy, tau=16, threads=1,
+                            verbose=False, **kw)
+        toks = []
+        for _ in s.chat(prompt, max_tokens=200, ignore_eos=True):
+            pass
+        toks = s.tokens
+        assert s.stats["page_outs"] == 0
+        if policy != "lru":
+            assert s.stats["rescores"] >= 10, (name, s.stats)   # it rescored, and nothing moved
+        outs[name] = toks
+    assert len(outs["full"]) >= 200
+    for name, toks in outs.items():
+        assert toks == outs["full"], name
+
+
+def _needle_prompt(s, value, n_filler):
+    filler = ("The weather was calm and the river ran slowly past the old mill. "
+              "Farmers carried their grain along the road to the market in the valley. ")
+    body = filler * 3 + f"The secret passkey is {value}. Remember it. " + filler * n_filler
+    msgs = [{"role": "user", "content": body + "\nWhat is the secret passkey given in the text above? "
+                                               "Answer with the number only."}]
+    text = s.tokenizer.apply_chat_template(msgs, add_generation_prompt=True) + "The passkey is"
+    return s.tokenize(text, add_special=False, parse_special=True)
+
+
+def _needle_chunk(s, ids, value):
+    pieces = [s.tokenizer.token_bytes(int(t), True) for t in ids]
+    text = b"".join(pieces)
+    off = text.find(value.encode())
+    ends = 0
+    for i, p in enumerate(pieces):
+        ends += len(p)
+        if ends > off:
+            return i // s.chunk_tokens
+    raise AssertionError("needle not in prompt")
+
+
+@pytest.mark.parametrize("policy", ["qk", "lru"])
+def test_needle_kept_by_qk_dropped_by_lru(model_path, policy):
+    # ~2K tokens through a 512-token pool (8 chunks: sink + 4 tail + 3 free).  The
+    # passkey sits near the start, far outside the tail window: LRU must lose it,
+    # qk must bring its chunk back and answer.
+    s = kvflash.Session(model_path, max_ctx=4096, kvflash=512, policy=policy, threads=2, verbose=False)
+    ids = _needle_prompt(s, "48213", 52)
+    assert len(ids) > 1500
+    c = _needle_chunk(s, ids, "48213")
+    assert c < len(ids) // 64 - 8                     # far outside the pool's recency reach
+    s.prefill(ids)
+    answer = "".join(s.generate(max_tokens=8))
+    resident = s.pager.chunk_table()["block"][c] >= 0
+    if policy == "qk":
+        assert resident and "48213" in answer.replace(" ", ""), answer
+    else:
+        assert not resident and "48213" not in answer.replace(" ", ""), answer
+
+
 def test_session_errors(model_path):
     with pytest.raises(ValueError, match="unknown policy"):
         kvflash.Session(model_path, policy="nope", verbose=False)

@@ -17,30 +17,47 @@ from .policies import ChunkView
 
 
 class QKPolicy:
-    """Drafter-free: score each sealed chunk's key summary against the current query.
+    """Drafter-free: score chunks with the target model's own queries and keys.
 
-    A chunk's summary is computed once, when it seals (64 tokens written) while
-    it is still resident: per paged layer and KV head the element-wise min and
-    max of its post-RoPE keys, and their L2-normalised mean.  ``mode="bound"``
-    (default) scores sum_d max(q_d * min_d, q_d * max_d), an upper bound of the
-    best q . k inside the chunk, so a single sharply relevant token is not
-    averaged away; ``mode="mean"`` scores q against the mean key.  Per layer the
-    max over query heads is taken, then the mean over layers.
+    ``mode="keys"`` (default, policy ``"qk"``): at a rescore, the queries of the
+    last ``n_queries`` tokens (post-RoPE, captured by the runtime across evals)
+    attend over every key of the history -- resident rows from the pool, paged-out
+    rows from the host store, where they are kept bit-exact -- with a softmax per
+    layer, head and query; each position scores the attention it receives (mean
+    over the queries, max over heads and layers), smoothed and averaged per chunk,
+    as the drafter does with its own model.  One pass over all keys per rescore
+    (at 32K with SmolLM2, ~200 MB of q8_0 keys), no second model, no re-feeding.
+
+    The summary modes score a per-chunk summary computed when the chunk seals (it
+    is still resident then), per paged layer and KV head, against the last query
+    alone: ``"bound"`` the element-wise min/max keys, scoring
+    sum_d max(q_d * min_d, q_d * max_d) (an upper bound of q . k in the chunk);
+    ``"mean"`` the L2-normalised mean key.  Max over query heads, mean over layers.
+    They read no history, but rank needles poorly on SmolLM2 (bench/results/needle).
     """
 
-    needs_chunk_summaries = True
+    MODES = ("keys", "bound", "mean")
 
-    def __init__(self, mode: str = "bound"):
-        if mode not in ("bound", "mean"):
-            raise ValueError(f"qk mode must be 'bound' or 'mean', got {mode!r}")
+    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5):
+        if mode not in self.MODES:
+            raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
+        if not isinstance(n_queries, int) or not 1 <= n_queries <= 256:
+            raise ValueError(f"n_queries must be an integer in [1, 256], got {n_queries!r}")
         self.mode = mode
-        self.name = "qk" if mode == "bound" else "qk-mean"
+        self.name = "qk" if mode == "keys" else f"qk-{mode}"
+        self.needs_chunk_summaries = mode != "keys"
+        self.n_queries = n_queries if mode == "keys" else 1
+        self.smooth_width = smooth_width
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
-        return view.session.runtime.qk_scores(self.mode)[: view.n_chunks]
+        rt = view.session.runtime
+        if self.mode == "keys":
+            tok_scores = rt.history_attention()
+            return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
+        return rt.qk_scores(self.mode)[: view.n_chunks]
 
     def reset(self) -> None:
-        pass  # summaries live in the runtime and are cleared by its reset
+        pass  # captured queries and summaries live in the runtime and are cleared by its reset
 
 
 def smooth(x: np.ndarray, width: int) -> np.ndarray:

@@ -177,7 +177,8 @@ class Session:
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
                                      host_path=None if host_path is None else str(host_path),
                                      seed=0 if seed is None else int(seed),
-                                     chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)))
+                                     chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
+                                     capture_queries=int(getattr(self.policy, "n_queries", 1)))
         self.seed = seed
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
@@ -198,10 +199,10 @@ class Session:
         if isinstance(policy, str):
             if policy == "lru":
                 return LRUPolicy()
-            if policy in ("drafter", "qk"):
+            if policy in ("drafter", "qk", "qk-bound", "qk-mean"):
                 from . import scoring  # the scored policies live beside their scorers
-                if policy == "qk":
-                    return scoring.QKPolicy()
+                if policy.startswith("qk"):
+                    return scoring.QKPolicy("keys" if policy == "qk" else policy[3:])
                 path = None
                 if drafter is not None:
                     path = resolve_model(drafter)
@@ -211,7 +212,7 @@ class Session:
                     self._policy_note = " (no drafter found next to the model: falling back to LRU)"
                     return LRUPolicy()
                 return scoring.DrafterPolicy(path, threads=self.threads)
-            raise ValueError(f"unknown policy {policy!r}: use 'drafter', 'lru', 'qk' or an object with "
+            raise ValueError(f"unknown policy {policy!r}: use 'drafter', 'lru', 'qk' ('qk-bound', 'qk-mean') or an object with "
                              f"score(view)")
         if not callable(getattr(policy, "score", None)):
             raise ValueError(f"policy object {policy!r} has no score(view) method")

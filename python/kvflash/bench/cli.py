@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
     p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
     p.add_argument("--policy", default="drafter",
-                   help="kvflash policy for decode/prefill/ab: drafter (falls back to lru without one), lru, qk")
+                   help="kvflash policy for decode/prefill/ab: drafter (falls back to lru without one), lru, "
+                        "qk (exact keys), qk-bound, qk-mean (key summaries)")
     p.add_argument("--policies", type=_str_list, default=["lru", "drafter", "qk"],
                    help="policies compared by the needle routine (default lru,drafter,qk)")
     p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
@@ -140,11 +141,12 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
-    bad = [x for x in args.policies if x not in ("lru", "drafter", "qk")]
+    known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")
+    bad = [x for x in args.policies if x not in known]
     if bad:
-        p.error(f"--policies: unknown {bad}; use lru, drafter, qk")
-    if args.policy not in ("lru", "drafter", "qk"):
-        p.error(f"--policy must be lru, drafter or qk, got {args.policy!r}")
+        p.error(f"--policies: unknown {bad}; use {', '.join(known)}")
+    if args.policy not in known:
+        p.error(f"--policy must be one of {', '.join(known)}, got {args.policy!r}")
 
 
 def main(argv: Optional[list] = None) -> int:
