@@ -11,8 +11,8 @@ from typing import Optional
 
 from .common import BenchConfig, log, machine_info
 
-ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle"]
-ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "ab"]
+ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle", "rescore"]
+ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "rescore", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
 PRESETS = {
@@ -23,6 +23,7 @@ PRESETS = {
         "memory": dict(contexts=[1024, 2048, 8192, 32768]),
         "paging": dict(repeats=2),
         "needle": dict(),
+        "rescore": dict(contexts=[2048], repeats=1, policies=["qk", "drafter"]),
         "ab": dict(),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
@@ -33,6 +34,7 @@ PRESETS = {
         "memory": dict(contexts=[2048, 8192, 16384, 32768, 65536, 131072], pools=[512, 2048]),
         "paging": dict(pools=[512, 2048], repeats=5),
         "needle": dict(contexts=[4096, 8192], pools=[1024, 2048], needles=16),
+        "rescore": dict(contexts=[8192], pools=[768], repeats=2, policies=["qk", "drafter"]),
         "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=4),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
@@ -43,6 +45,7 @@ PRESETS = {
         "memory": dict(contexts=[8192, 32768, 131072, 262144], pools=[2048, 4096]),
         "paging": dict(pools=[2048, 4096], repeats=5),
         "needle": dict(contexts=[8192, 16384, 32768], pools=[2048, 4096], needles=16),
+        "rescore": dict(contexts=[8192, 32768], pools=[2048], repeats=2, policies=["qk", "drafter"]),
         "ab": dict(contexts=[32768, 65536, 131072], needles=8),
     },
 }
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="drafter",
                    help="kvflash policy for decode/prefill/ab: drafter (falls back to lru without one), lru, "
                         "qk (exact keys), qk-bound, qk-mean (key summaries)")
-    p.add_argument("--policies", type=_str_list, default=["lru", "drafter", "qk"],
+    p.add_argument("--policies", type=_str_list, default=None,
                    help="policies compared by the needle routine (default lru,drafter,qk)")
     p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
     p.add_argument("--tau", type=int, default=64, help="decoded tokens between rescores (default 64)")
@@ -121,7 +124,8 @@ def config_for(args, routine: str) -> BenchConfig:
     cfg.threads = args.threads
     cfg.kv_type = args.kv_type
     cfg.policy = args.policy
-    cfg.policies = args.policies
+    if args.policies is not None:
+        cfg.policies = args.policies
     cfg.drafter = args.drafter
     cfg.tau = args.tau
     cfg.seed = args.seed
@@ -142,7 +146,7 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")
-    bad = [x for x in args.policies if x not in known]
+    bad = [x for x in (args.policies or []) if x not in known]
     if bad:
         p.error(f"--policies: unknown {bad}; use {', '.join(known)}")
     if args.policy not in known:

@@ -89,7 +89,10 @@ class Progress:
         self.total, self.desc, self.quiet, self.n = max(1, total), desc, quiet, 0
         self._rich = self._tqdm = None
         self._t0 = time.perf_counter()
+        self._log = not sys.stderr.isatty()  # a log file: one line per finished step, no bars
         if quiet:
+            return
+        if self._log:
             return
         try:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP, TextColumn,
@@ -110,11 +113,15 @@ class Progress:
 
     def _line(self, note: str, end: str = "\r") -> None:
         el = time.perf_counter() - self._t0
+        if self._log:
+            sys.stderr.write(f"{self.desc}: {self.n}/{self.total} [{el:6.1f}s] {note}\n")
+            sys.stderr.flush()
+            return
         sys.stderr.write(f"{self.desc}: {self.n}/{self.total} [{el:6.1f}s] {note}\x1b[K{end}")
         sys.stderr.flush()
 
     def note(self, text: str) -> None:
-        if self.quiet:
+        if self.quiet or self._log:
             return
         if self._rich is not None:
             self._rich.update(self._task, note=text)
