@@ -9,7 +9,7 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="model name (see `kvflash models`) or GGUF path")
     p.add_argument("--max-ctx", type=int, default=None, help="logical context (default: the model's trained one)")
     p.add_argument("--kvflash", default="auto", help="pool size in tokens, 'auto', or 'off' for the full cache")
-    p.add_argument("--kvflash-policy", default="drafter", help="drafter | lru | qk")
+    p.add_argument("--kvflash-policy", default="drafter", help="drafter | lru | qk | qk-bound | qk-mean")
     p.add_argument("--kvflash-tau", type=int, default=64, help="decoded tokens between rescores (minimum)")
     p.add_argument("--prefill-drafter", default=None, help="drafter GGUF for the drafter policy")
     p.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
