@@ -245,3 +245,49 @@ def test_qk_modes_and_errors():
         QKPolicy("nope")
     with pytest.raises(ValueError, match="n_queries"):
         QKPolicy(n_queries=0)
+
+
+def test_scoring_runtime_evaluates_only_its_first_layers(tmp_path):
+    path = str(tmp_path / "four.gguf")
+    write_tiny_model(path, "llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=11)
+    m = _core.Model(path, 1)
+    toks = _tokens(200, 3)
+    full = _core.Runtime(m, max_ctx=1024, pool_tokens=0, kv_type="f16", capture_queries=8)
+    full.eval(toks)
+    for k in (1, 2, 3):
+        rt = _core.Runtime(m, max_ctx=1024, pool_tokens=0, kv_type="f16", capture_queries=8, eval_layers=k)
+        assert rt.eval_layers == k
+        out = rt.eval(toks)
+        assert not out.any()                                   # no head: no logits
+        q = rt.captured_queries()
+        assert q.shape[0] == k and rt.pager.n_layers == k      # only the evaluated layers are cached
+        np.testing.assert_array_equal(q, full.captured_queries()[:k])
+        for l in range(k):
+            np.testing.assert_array_equal(rt.pager.k_rows(l)[:200], full.pager.k_rows(l)[:200])
+            np.testing.assert_array_equal(rt.pager.v_rows(l)[:200], full.pager.v_rows(l)[:200])
+        assert rt.attention_scores().shape == (200,)
+        with pytest.raises(ValueError, match="scoring runtime"):
+            rt.eval_sample(toks[:1])
+    with pytest.raises(ValueError, match="eval_layers"):
+        _core.Runtime(m, max_ctx=1024, eval_layers=5)
+
+
+def test_drafter_layers_default_and_errors(tiny, tmp_path):
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy="drafter", drafter=tiny, tau=16, threads=1,
+                        verbose=False)
+    s.prefill(_tokens(64 * 12, 6).tolist())
+    assert s.policy.eval_layers == 1                # the target as its own drafter: first quarter (2 layers -> 1)
+    other = tmp_path / "other.gguf"
+    write_tiny_model(str(other), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=4)
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy=DrafterPolicy(str(other), threads=1), threads=1,
+                        verbose=False)
+    s.prefill(_tokens(64 * 12, 6).tolist())
+    assert s.policy.eval_layers == 0                # a separate drafter keeps all its layers
+    with pytest.raises(ValueError, match="layers"):
+        DrafterPolicy(tiny, layers=0)
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy=DrafterPolicy(tiny, layers=3), threads=1,
+                        verbose=False)
+    with pytest.raises(ValueError, match="has 2 layers"):
+        s.prefill(_tokens(64 * 12, 6).tolist())

@@ -359,7 +359,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
                          const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
                          int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries,
-                         int32_t prefill_piece) {
+                         int32_t prefill_piece, int32_t eval_layers) {
                  if (prefill_piece < 0) throw std::invalid_argument("prefill_piece must be >= 0 (0: chunk_tokens)");
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
@@ -376,6 +376,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.capture_queries = capture_queries;
                  c.chunk_summaries = chunk_summaries;
                  c.prefill_piece = prefill_piece;
+                 c.eval_layers = eval_layers;
                  c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
                  if (c.host == "file" && c.host_path.empty()) throw std::invalid_argument("host='file' needs host_path=");
                  auto r = std::make_shared<PyRuntime>();
@@ -388,10 +389,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
              py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
              py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
-             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0)
+             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })
+        .def_property_readonly("eval_layers", [](PyRuntime &r) { return r.rt->config().eval_layers; },
+                               "0: all layers; > 0: a scoring runtime over the first eval_layers layers (no logits)")
         .def_property_readonly("pool_tokens", [](PyRuntime &r) { return r.rt->pool().pool_tokens(); })
         .def_property_readonly("pool_bytes", [](PyRuntime &r) { return r.rt->pool().bytes(); })
         .def_property_readonly("swa_bytes", [](PyRuntime &r) { return r.rt->swa_bytes(); })
@@ -421,6 +424,10 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              }, py::arg("tokens"), py::arg("all_logits") = false,
              "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].")
         .def("eval_sample", [](PyRuntime &r, py::array tokens, float temperature, int32_t top_k, float top_p, float min_p) {
+                 if (r.rt->config().eval_layers > 0)
+                     throw std::invalid_argument("eval_sample: this runtime evaluates only its first " +
+                                                 std::to_string(r.rt->config().eval_layers) +
+                                                 " layers (a scoring runtime) and has no logits to sample");
                  auto t = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
                  if (!t || t.ndim() != 1 || t.shape(0) == 0)
                      throw std::invalid_argument("tokens must be a non-empty 1-D array of token ids");

@@ -442,6 +442,10 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
         throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
                                     std::to_string(ggml_blck_size(kvt)));
+    if (cfg_.eval_layers < 0 || cfg_.eval_layers > hp.n_layer)
+        throw std::invalid_argument("eval_layers must be in [0, " + std::to_string(hp.n_layer) +
+                                    "] (0: all layers), got " + std::to_string(cfg_.eval_layers));
+    n_eval_layers_ = cfg_.eval_layers > 0 ? cfg_.eval_layers : hp.n_layer;
     full_cache_ = cfg_.pool_tokens <= 0;
     PagerConfig pc;
     pc.chunk_tokens = cfg_.chunk_tokens;
@@ -457,6 +461,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     std::vector<PoolLayerSpec> specs;
     paged_index_.assign(hp.n_layer, -1);
     for (int32_t il : model_->global_layers()) {
+        if (il >= n_eval_layers_) break;
         paged_index_[il] = int32_t(specs.size());
         specs.push_back({il, hp.n_embd_k(), hp.n_embd_v()});
     }
@@ -470,7 +475,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     // and a pinned host slab.
     // Sliding-window layers keep a ring of their window (plus one ubatch of new keys),
     // on the model's backend like the pool.
-    const int32_t n_swa_layers = hp.n_layer - int32_t(specs.size());
+    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size());
     if (n_swa_layers > 0) {
         // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
         // before the piece's first query plus the piece itself.
@@ -480,7 +485,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
         swa_tokens_ = std::max(swa_tokens_, 256);
         ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
         swa_ctx_ = ggml_init(ip);
-        for (int32_t il = 0; il < hp.n_layer; ++il) {
+        for (int32_t il = 0; il < n_eval_layers_; ++il) {
             if (paged_index_[il] >= 0) continue;
             paged_index_[il] = -2 - int32_t(swa_k_.size());  // -2 - ring index
             swa_k_.push_back(ggml_new_tensor_2d(swa_ctx_, kvt, hp.n_embd_k(), swa_tokens_));
@@ -544,7 +549,7 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     if (hp.arch == Arch::GEMMA3) x = ggml_scale(ctx, x, std::sqrt(float(hp.n_embd)));
     auto norm = [&](ggml_tensor *t, ggml_tensor *w) { return ggml_mul(ctx, ggml_rms_norm(ctx, t, hp.rms_eps), w); };
 
-    for (int32_t il = 0; il < hp.n_layer; ++il) {
+    for (int32_t il = 0; il < n_eval_layers_; ++il) {
         const LayerWeights &L = M.layers[il];
         const bool swa = hp.is_swa[il] != 0;
         ggml_tensor *cur = norm(x, L.attn_norm);
@@ -614,6 +619,17 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
         if (L.ffn_post_norm) cur = norm(cur, L.ffn_post_norm);
         x = ggml_add(ctx, x, cur);
     }
+    if (n_eval_layers_ < hp.n_layer) {
+        // A scoring runtime (a drafter cut to its first layers): the graph ends with the
+        // last layer's K/V writes and captured queries; its attention output, FFN and the
+        // head are never computed, and there are no logits.
+        g.logits = nullptr;
+        // With one layer nothing reads the masks; keep them in the graph so they are allocated.
+        ggml_build_forward_expand(g.gf, g.mask);
+        if (g.swa_mask) ggml_build_forward_expand(g.gf, g.swa_mask);
+        finish_graph(g);
+        return;
+    }
     if (!all_logits && n > 1) x = ggml_view_2d(ctx, x, hp.n_embd, 1, x->nb[1], size_t(n - 1) * x->nb[1]);
     x = norm(x, M.output_norm);
     ggml_tensor *logits = ggml_mul_mat(ctx, M.output, x);
@@ -625,6 +641,10 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     ggml_set_output(logits);
     g.logits = logits;
     ggml_build_forward_expand(g.gf, logits);
+    finish_graph(g);
+}
+
+void Runtime::finish_graph(Graph &g) {
     if (!ggml_backend_is_cpu(model_->backend())) {
         // Without a scheduler every node runs on the model's backend: refuse a graph
         // it cannot run here, with the op named, instead of an abort inside ggml.
@@ -752,7 +772,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     n_past_ = pos0 + n;
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;
-    if (logits_out) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
+    if (logits_out && g->logits) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
+    else if (logits_out) std::fill(logits_out, logits_out + size_t(all_logits && n > 1 ? n : 1) * model_->hparams().n_vocab, 0.f);
     if (g->n_capture > 0) {
         // The capture is a window over the last capture_queries positions across evals
         // (a decode step adds one query; the window still holds the ones before it).

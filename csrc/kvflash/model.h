@@ -123,6 +123,9 @@ struct RuntimeConfig {
     std::string kv_type = "q8_0";
     int32_t chunk_tokens = 64, sink_chunks = 1, tail_window_chunks = 4;
     int32_t ubatch = 512;             // prefill ubatch while the prompt fits the pool
+    // > 0: a scoring runtime that evaluates only the first eval_layers layers (a drafter
+    // cut short: K/V and captured queries of those layers, no logits -- eval returns zeros).
+    int32_t eval_layers = 0;
     int32_t prefill_piece = 0;        // piece once eviction starts (0: chunk_tokens), chunk-aligned
     std::string host = "ram";         // "ram" | "file"
     std::string host_path;
@@ -199,6 +202,7 @@ private:
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
     bool use_pool_attn(int32_t n) const;
     void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
+    void finish_graph(Graph &g);   // backend op check + allocation
     void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
     // Before the host reads pool rows or graph outputs: wait for every queued page
     // copy (the pool's fence: the copy stream on CUDA) and every queued kernel
@@ -210,6 +214,7 @@ private:
     std::shared_ptr<Model> model_;
     RuntimeConfig cfg_;
     bool full_cache_ = false;
+    int32_t n_eval_layers_ = 0;           // layers evaluated (all, or eval_layers)
     std::unique_ptr<PagedCache> cache_;
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (-1: sliding)
     // sliding-window ring (gemma3): [n_embd_k, swa_tokens] per sliding layer

@@ -92,12 +92,20 @@ class DrafterPolicy:
     the history is detokenized, re-tokenized for the drafter, and the scores are
     mapped back to target chunks by byte spans (the cross-tokenizer bridge).
     The drafter is loaded lazily, at the first rescore.
+
+    ``layers`` cuts the drafter to its first N layers (a scoring runtime: K/V and
+    queries of those layers only, no FFN after the last, no head).  Every decoded
+    token is fed to the drafter once, so its forward cost per token is the policy's
+    price; a drafter that is the target itself (nothing smaller exists) costs about
+    a batched target forward per token unless it is cut.  ``layers=None`` keeps all
+    of a separate drafter's layers and, for the target used as its own drafter,
+    the first quarter (rounded up).
     """
 
     name = "drafter"
 
     def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 8, smooth_width: int = 5,
-                 kv_type: str = "q8_0"):
+                 kv_type: str = "q8_0", layers: Optional[int] = None):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise ValueError(f"drafter {self.path} does not exist")
@@ -105,6 +113,10 @@ class DrafterPolicy:
         self.n_queries = n_queries
         self.smooth_width = smooth_width
         self.kv_type = kv_type
+        if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+            raise ValueError(f"drafter layers must be a positive integer or None, got {layers!r}")
+        self.layers = layers
+        self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
         self._model = None
         self._rt = None
         self._tok = None
@@ -115,7 +127,8 @@ class DrafterPolicy:
     # -- lazy setup ---------------------------------------------------------
     def _load(self, session) -> None:
         from .tokenizer import Tokenizer
-        if os.path.realpath(self.path) == os.path.realpath(str(session.model_path)):
+        same = os.path.realpath(self.path) == os.path.realpath(str(session.model_path))
+        if same:
             self._model = session.model  # same weights: share them
             self._tok = session.tokenizer
         else:
@@ -126,8 +139,14 @@ class DrafterPolicy:
                 raise ValueError(f"drafter {self.path} failed to load: {e}") from e
         t = session.tokenizer
         self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
+        n_layer = int(self._model.hparams["n_layer"])
+        layers = self.layers if self.layers is not None else (-(-n_layer // 4) if same else n_layer)
+        if layers > n_layer:
+            raise ValueError(f"drafter layers={layers} but {self.path} has {n_layer} layers")
+        self.eval_layers = 0 if layers == n_layer else layers
         self._rt = _core.Runtime(self._model, max_ctx=max(session.max_ctx * (4 if self.bridged else 1), 1024),
-                                 pool_tokens=0, kv_type=self.kv_type, capture_queries=self.n_queries)
+                                 pool_tokens=0, kv_type=self.kv_type, capture_queries=self.n_queries,
+                                 eval_layers=self.eval_layers)
 
     def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
         """History as bytes plus each target token's end offset."""
