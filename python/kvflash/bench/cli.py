@@ -18,7 +18,8 @@ ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "rescore", "ab"]
 PRESETS = {
     # < 5 minutes on 2 cores from a fresh install (model download included) for `ab`.
     "quick": {
-        "*": dict(pools=[512], repeats=2, decode_steps=16, needles=2, depths=[10, 90], contexts=[1024, 2048]),
+        "*": dict(pools=[512], repeats=2, decode_steps=16, needles=2, depths=[10, 90], contexts=[1024, 2048],
+                  policy="qk"),  # no drafter needed: the fresh-install run shows a scored policy
         "decode": dict(contexts=[512, 1024, 2048]),
         "memory": dict(contexts=[1024, 2048, 8192, 32768]),
         "paging": dict(repeats=2),
@@ -91,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, help="compute threads (default: physical cores)")
     p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
     p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
-    p.add_argument("--policy", default="drafter",
-                   help="kvflash policy for decode/prefill/ab: drafter (falls back to lru without one), lru, "
+    p.add_argument("--policy", default=None,
+                   help="kvflash policy for decode/prefill/ab (default: the preset's; quick: qk, else drafter, which "
+                        "falls back to lru without one): drafter, lru, "
                         "qk (exact keys), qk-bound, qk-mean (key summaries)")
     p.add_argument("--policies", type=_str_list, default=None,
                    help="policies compared by the needle routine (default lru,drafter,qk)")
@@ -123,7 +125,8 @@ def config_for(args, routine: str) -> BenchConfig:
     cfg.model = args.model
     cfg.threads = args.threads
     cfg.kv_type = args.kv_type
-    cfg.policy = args.policy
+    if args.policy is not None:
+        cfg.policy = args.policy
     if args.policies is not None:
         cfg.policies = args.policies
     cfg.drafter = args.drafter
@@ -149,7 +152,7 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     bad = [x for x in (args.policies or []) if x not in known]
     if bad:
         p.error(f"--policies: unknown {bad}; use {', '.join(known)}")
-    if args.policy not in known:
+    if args.policy is not None and args.policy not in known:
         p.error(f"--policy must be one of {', '.join(known)}, got {args.policy!r}")
 
 
