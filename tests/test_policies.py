@@ -291,3 +291,36 @@ def test_drafter_layers_default_and_errors(tiny, tmp_path):
                         verbose=False)
     with pytest.raises(ValueError, match="has 2 layers"):
         s.prefill(_tokens(64 * 12, 6).tolist())
+
+
+def test_history_attention_per_chunk_matches_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4)
+    n = 64 * 10 + 17
+    rt.eval(_tokens(n, 12))
+    assert rt.pager.stats["host_chunks"] > 0
+    full = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="f16", capture_queries=4)
+    full.eval(_tokens(n, 12))
+    # the pooled runtime's own keys: layer 0 matches the full cache exactly (it sees only tokens)
+    got = rt.history_attention(per_chunk=True)
+    assert got.shape == (11,)
+    q = rt.captured_queries()                       # [L, 4, H, D]
+    L, nq, H, D = q.shape
+    want = np.zeros(11)
+    keys0 = np.stack([full.pager.k_rows(0)[s].view(np.float16).astype(np.float64) for s in range(n)]).reshape(n, 2, D)
+    for h in range(H):
+        avg = np.zeros(n)
+        for i in range(nq):
+            qpos = n - nq + i
+            lg = keys0[: qpos + 1, h // 2, :] @ q[0, i, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(lg - lg.max())
+            avg[: qpos + 1] += p / p.sum() / nq
+        per_chunk = np.add.reduceat(avg, np.arange(0, n, 64))
+        want = np.maximum(want, per_chunk)
+    # layer 1 can only raise the max: the per-chunk score bounds layer 0's from above
+    assert (got >= want - 1e-5).all()
+    one = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4, eval_layers=1)
+    one.eval(_tokens(n, 12))
+    np.testing.assert_allclose(one.history_attention(per_chunk=True), want, rtol=1e-4, atol=1e-6)
+    # per-chunk sums of the per-token scores of a single head/layer agree in total mass
+    assert got.sum() <= L * H + 1e-3

@@ -492,16 +492,20 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  }
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
-        .def("history_attention", [](PyRuntime &r, int32_t n_threads) {
-                 py::array_t<float> out(py::ssize_t(r.rt->n_past()));
+        .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk) {
+                 const int64_t C = r.rt->config().chunk_tokens;
+                 const int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
+                 py::array_t<float> out(static_cast<py::ssize_t>(n));
                  if (n_threads <= 0) n_threads = r.model->n_threads();
                  {
                      py::gil_scoped_release nogil;
-                     r.rt->history_attention(out.mutable_data(), r.rt->n_past(), n_threads);
+                     r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk);
                  }
                  return out;
-             }, py::arg("n_threads") = 0,
-             "Like attention_scores, over the whole history: paged-out keys are read from the host store.")
+             }, py::arg("n_threads") = 0, py::arg("per_chunk") = false,
+             "Like attention_scores, over the whole history: paged-out keys are read from the host store.  "
+             "per_chunk=True: one score per chunk, the attention mass it receives per layer and head "
+             "(summed over its positions), max over heads and layers.")
         .def("captured_queries", [](PyRuntime &r) {
                  const Hparams &h = r.model->hparams();
                  const int32_t nc = r.rt->n_captured();

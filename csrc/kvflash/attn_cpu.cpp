@@ -280,8 +280,10 @@ namespace kvflash {
 
 void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                           const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
-                          const int64_t *q_pos, float scale, float *out, int64_t n_pos) {
+                          const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens) {
     if (n_rows <= 0 || nq <= 0) return;
+    const int64_t n_chunks = chunk_tokens > 0 ? (n_pos + chunk_tokens - 1) / chunk_tokens : 0;
+    std::vector<double> csum(static_cast<size_t>(n_chunks), 0.0);
     const row_to_f32 conv = converter(type);
     if (!conv) throw std::invalid_argument("attention scores: unsupported K type");
     const int32_t G = H / Hkv;
@@ -313,7 +315,13 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
                 for (int64_t s : live)
                     if (row_pos[s] <= q_pos[i]) avg[s] += std::exp(logits[s] - mx) * inv;
             }
-            for (int64_t s : live) out[row_pos[s]] = std::max(out[row_pos[s]], avg[s]);
+            if (chunk_tokens <= 0) {
+                for (int64_t s : live) out[row_pos[s]] = std::max(out[row_pos[s]], avg[s]);
+            } else {  // this head's attention mass per chunk; the max over heads
+                std::fill(csum.begin(), csum.end(), 0.0);
+                for (int64_t s : live) csum[size_t(row_pos[s] / chunk_tokens)] += avg[s];
+                for (int64_t c = 0; c < n_chunks; ++c) out[c] = std::max(out[c], float(csum[c]));
+            }
         }
     }
 }
@@ -324,7 +332,7 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
     if (n_kv <= 0 || nq <= 0) return;
     std::vector<uint8_t> raw(size_t(n_kv) * k->nb[1]);
     ggml_backend_tensor_get(const_cast<ggml_tensor *>(k), raw.data(), 0, raw.size());
-    attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos);
+    attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos, 0);
 }
 
 }  // namespace kvflash

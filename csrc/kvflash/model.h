@@ -195,7 +195,9 @@ public:
     // from the pool for resident chunks and from the host store for the rest (the
     // host copy is bit-exact), so the scores are what a full cache would give for
     // these queries.  One pass over every key per call; layers split over n_threads.
-    void history_attention(float *out, int64_t n, int32_t n_threads) const;
+    // per_chunk: out[c] for the n chunks instead -- per layer and head the attention
+    // mass the chunk receives (summed over its positions), then the max over heads and layers.
+    void history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk = false) const;
 
 private:
     struct Graph;

@@ -23,9 +23,13 @@ class QKPolicy:
     last ``n_queries`` tokens (post-RoPE, captured by the runtime across evals)
     attend over every key of the history -- resident rows from the pool, paged-out
     rows from the host store, where they are kept bit-exact -- with a softmax per
-    layer, head and query; each position scores the attention it receives (mean
-    over the queries, max over heads and layers), smoothed and averaged per chunk,
-    as the drafter does with its own model.  One pass over all keys per rescore
+    layer, head and query; per layer and head each chunk gets the attention mass
+    its positions receive (mean over the queries), and its score is the max over
+    heads and layers (``aggregate="chunk"``).  ``aggregate="token"`` scores tokens
+    first (max over heads and layers), smooths and averages per chunk, as the
+    drafter does: on SmolLM2 needles the chunk sum ranks the needle first where the
+    per-token max does not (a retrieval head's mass is spread over the needle's
+    tokens, while single tokens of other heads spike).  One pass over all keys per rescore
     (at 32K with SmolLM2, ~200 MB of q8_0 keys), no second model, no re-feeding.
 
     The summary modes score a per-chunk summary computed when the chunk seals (it
@@ -38,12 +42,15 @@ class QKPolicy:
 
     MODES = ("keys", "bound", "mean")
 
-    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5):
+    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5, aggregate: str = "chunk"):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
         if not isinstance(n_queries, int) or not 1 <= n_queries <= 256:
             raise ValueError(f"n_queries must be an integer in [1, 256], got {n_queries!r}")
+        if aggregate not in ("chunk", "token"):
+            raise ValueError(f"qk aggregate must be 'chunk' or 'token', got {aggregate!r}")
         self.mode = mode
+        self.aggregate = aggregate
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
@@ -52,6 +59,8 @@ class QKPolicy:
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
         rt = view.session.runtime
         if self.mode == "keys":
+            if self.aggregate == "chunk":
+                return rt.history_attention(per_chunk=True)[: view.n_chunks]
             tok_scores = rt.history_attention()
             return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
         return rt.qk_scores(self.mode)[: view.n_chunks]

@@ -52,7 +52,10 @@ class NeedleBuilder:
     def _render(self, body: str, question: str) -> list:
         tok = self.s.tokenizer
         msgs = [{"role": "user", "content": body.strip() + "\n\n" + question + " Answer with the number only."}]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True) + ANSWER_PREFIX
+        if tok.chat_template:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True) + ANSWER_PREFIX
+        else:  # a base model (e.g. gemma-3-270m's GGUF has no template): plain question and answer
+            text = msgs[0]["content"] + "\nAnswer: " + ANSWER_PREFIX
         bos = tok.bos_id
         bos_text = tok.token_text(bos) if bos is not None else "\0"
         return self.s.tokenize(text, add_special=not text.startswith(bos_text), parse_special=True)
