@@ -405,6 +405,16 @@ def _answer(s, ids: list, n: int) -> tuple[str, float]:
     return text, dt
 
 
+def _passkey_chunk(s, ids: list, value: str) -> Optional[int]:
+    """The chunk holding the passkey's first byte (None if the digits are not in the prompt)."""
+    pieces = [s.tokenizer.token_bytes(int(t), True) for t in ids]
+    off = b"".join(pieces).find(value.encode())
+    if off < 0:
+        return None
+    ends = np.cumsum([len(p) for p in pieces])
+    return int(np.searchsorted(ends, off, side="right")) // s.chunk_tokens
+
+
 def _trials_for(cfg, builder, D, reserve):
     return [builder.trial(i, D - reserve, cfg.depths) for i in range(cfg.needles)]
 
@@ -418,7 +428,8 @@ def run_needle(cfg: BenchConfig) -> Result:
                  f"{cfg.needles} per cell)",
                  BASE_COLS + [("context", "context"), ("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
                               ("residency", "residency %"), ("needle", f"needle /{cfg.needles}"),
-                              ("by_depth", "by depth"), ("prefill_s", "prefill s")])
+                              ("by_depth", "by depth"), ("resident", "passkey chunk resident"),
+                              ("prefill_s", "prefill s")])
     builder = None
     notes = set()
     with Progress(len(ctxs) * cfg.needles * len(modes), "needle", cfg.quiet) as pb:
@@ -436,12 +447,14 @@ def run_needle(cfg: BenchConfig) -> Result:
                     ans, dt = _answer(s, t.ids, cfg.answer_tokens)
                     ok = score(ans, t.value)
                     st = s.stats
+                    c = _passkey_chunk(s, t.ids, t.value)
+                    kept = None if m[1] is None or c is None else bool(s.pager.chunk_table()["block"][c] >= 0)
                     res.raw.append({**_base(cfg, s), "context": D, "mode": m[0], "pool": m[1],
                                     "policy": s.policy.name if m[1] else None, "trial": t.index, "depth": t.depth,
                                     "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
                                     "prefill_s": dt, "residency_pct": st["residency_pct"],
                                     "page_outs": st["page_outs"], "page_ins": st["page_ins"],
-                                    "rescores": st["rescores"]})
+                                    "rescores": st["rescores"], "passkey_chunk": c, "passkey_resident": kept})
                     pb.advance(1, note=f"{ctx_label(D)} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
             for m in modes:
                 row = {**_base(cfg, any_s), "context": D, "mode": m[0], "pool": "-" if m[1] is None else m[1],
@@ -460,6 +473,11 @@ def run_needle(cfg: BenchConfig) -> Result:
                         f"{d}%:{sum(x['correct'] for x in rr if x['depth'] == d)}/{sum(1 for x in rr if x['depth'] == d)}"
                         for d in cfg.depths if any(x["depth"] == d for x in rr))
                     row["prefill_s"] = summarize(x["prefill_s"] for x in rr)
+                    if m[1] is not None:
+                        kk = [x for x in rr if x["passkey_resident"] is not None]
+                        hit = sum(1 for x in kk if x["passkey_resident"] and x["correct"])
+                        row["resident"] = (f"{sum(x['passkey_resident'] for x in kk)}/{len(kk)} "
+                                           f"(answered {hit})")
                     if sessions[m].bench_fallback:
                         row["policy"] = f"{m[2]}→{sessions[m].policy.name}"
                 res.rows.append(row)
@@ -467,7 +485,9 @@ def run_needle(cfg: BenchConfig) -> Result:
     res.notes += [f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
                   f"stop at newline); the assistant turn is primed with \"The passkey is\"",
                   "haystack: procedural public-domain prose shipped as kvflash/bench/haystack.txt (see _prose.py)",
-                  "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there"]
+                  "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there",
+                  "passkey chunk resident: after the answer, the chunk holding the passkey's first digit holds "
+                  "a pool block (a policy that kept it and still missed met the model's limit, not its own)"]
     res.notes += sorted(notes)
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
