@@ -6,17 +6,14 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_small_llama  # noqa: E402
 
 from kvflash.bench import cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
-    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
-                     weight_type="f32", seed=5)
-    return str(path)
+    return write_small_llama(tmp_path_factory.mktemp("bench") / "tiny.gguf", seed=5)
 
 
 @pytest.mark.parametrize("routine,extra", [

@@ -73,6 +73,22 @@ def nmse(a, b) -> float:
     return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
 
 
+def greedy_pair(rg, rc, prompt, steps):
+    """Prompt then greedy steps on the GPU (rg) and CPU (rc) runtimes, each following its own argmax;
+    stops at the first divergence.  Returns (per-step NMSE, gpu tokens, cpu tokens, last cpu logits)."""
+    a, b = rg.eval(prompt, False), rc.eval(prompt, False)
+    errs, ta, tb = [nmse(a, b)], [int(a.argmax())], [int(b.argmax())]
+    for _ in range(steps):
+        a = rg.eval(np.array([ta[-1]], np.int32), False)
+        b = rc.eval(np.array([tb[-1]], np.int32), False)
+        errs.append(nmse(a, b))
+        ta.append(int(a.argmax()))
+        tb.append(int(b.argmax()))
+        if ta[-1] != tb[-1]:
+            break
+    return errs, ta, tb, b
+
+
 def report(name: str, err: float, tol: float) -> None:
     # One greppable line per comparison; check.sh copies these into the summary.
     print(f"CUDA-PARITY {name} nmse={err:.3e} tol={tol:.0e}")
@@ -134,19 +150,7 @@ def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
     through the pinned slab), then greedy decode; logits per step and the tokens."""
     kw = dict(max_ctx=4096, pool_tokens=512, kv_type=kv_type, ubatch=64)
     rc, rg, V = runtimes(models, arch, **kw)
-    prompt = toks(1536, 2, V)
-    a = rg.eval(prompt, False)
-    b = rc.eval(prompt, False)
-    errs = [nmse(a, b)]
-    ta, tb = [int(a.argmax())], [int(b.argmax())]
-    for _ in range(48):
-        a = rg.eval(np.array([ta[-1]], np.int32), False)
-        b = rc.eval(np.array([tb[-1]], np.int32), False)
-        errs.append(nmse(a, b))
-        ta.append(int(a.argmax()))
-        tb.append(int(b.argmax()))
-        if ta[-1] != tb[-1]:
-            break
+    errs, ta, tb, b = greedy_pair(rg, rc, toks(1536, 2, V), 48)
     worst = max(errs)
     report(f"kvflash-decode {arch} {kv_type}", worst, NMSE_TOL[kv_type])
     st = rg.pager.stats
@@ -161,17 +165,7 @@ def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
 def test_full_cache_greedy_decode(models, arch, kv_type):
     """Full cache: a prompt, then 32 greedy steps; logits per step and identical tokens."""
     rc, rg, V = runtimes(models, arch, max_ctx=1024, pool_tokens=0, kv_type=kv_type)
-    prompt = toks(200, 5, V)
-    a, b = rg.eval(prompt, False), rc.eval(prompt, False)
-    errs, ta, tb = [nmse(a, b)], [int(a.argmax())], [int(b.argmax())]
-    for _ in range(32):
-        a = rg.eval(np.array([ta[-1]], np.int32), False)
-        b = rc.eval(np.array([tb[-1]], np.int32), False)
-        errs.append(nmse(a, b))
-        ta.append(int(a.argmax()))
-        tb.append(int(b.argmax()))
-        if ta[-1] != tb[-1]:
-            break
+    errs, ta, tb, _ = greedy_pair(rg, rc, toks(200, 5, V), 32)
     report(f"full-decode {arch} {kv_type}", max(errs), NMSE_TOL[kv_type])
     assert max(errs) < NMSE_TOL[kv_type], errs
     assert ta == tb, f"greedy tokens diverge: cuda {ta} cpu {tb}"

@@ -15,17 +15,14 @@ from kvflash.devices import resolve_device  # noqa: E402
 from kvflash.session import auto_pool, kv_bytes_per_token  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_small_llama  # noqa: E402
 
 CUDA_BUILT = bool(_core.build_info()["cuda"])
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dev") / "tiny.gguf"
-    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
-                     weight_type="f32", seed=3)
-    return str(path)
+    return write_small_llama(tmp_path_factory.mktemp("dev") / "tiny.gguf", seed=3)
 
 
 def test_build_info_keys():

@@ -13,15 +13,12 @@ from kvflash.policies import ChunkView, validate_scores
 from kvflash.scoring import DrafterPolicy, QKPolicy, per_chunk_mean, smooth
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_small_llama, write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pol") / "tiny.gguf"
-    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
-                     weight_type="f32", seed=3)
-    return str(path)
+    return write_small_llama(tmp_path_factory.mktemp("pol") / "tiny.gguf", seed=3)
 
 
 def _tokens(n, seed=0):

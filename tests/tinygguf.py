@@ -371,3 +371,10 @@ def make_hparams(*, arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv
         "ffn_act": "gelu_tanh" if arch == "gemma3" else "silu",
         "tie_embeddings": bool(tie_embeddings), "bos_id": bos_id, "eos_id": eos_id,
     }
+
+
+def write_small_llama(path: str | Path, seed: int) -> str:
+    """The 2-layer llama (128 wide, GQA 4:2, head dim 32, f32) the policy, device and bench tests share."""
+    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=seed)
+    return str(path)
