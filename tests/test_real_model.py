@@ -96,12 +96,13 @@ def _needle_chunk(s, ids, value):
     raise AssertionError("needle not in prompt")
 
 
-@pytest.mark.parametrize("policy", ["qk", "lru"])
-def test_needle_kept_by_qk_dropped_by_lru(model_path, policy):
+@pytest.mark.parametrize("policy", ["qk", "drafter", "lru"])
+def test_needle_kept_by_scorers_dropped_by_lru(model_path, policy):
     # ~2K tokens through a 512-token pool (8 chunks: sink + 4 tail + 3 free).  The
     # passkey sits near the start, far outside the tail window: LRU must lose it,
     # qk must bring its chunk back and answer.
-    s = kvflash.Session(model_path, max_ctx=4096, kvflash=512, policy=policy, threads=2, verbose=False)
+    kw = {"drafter": model_path} if policy == "drafter" else {}   # SmolLM2 as its own (8-layer) drafter
+    s = kvflash.Session(model_path, max_ctx=4096, kvflash=512, policy=policy, threads=2, verbose=False, **kw)
     ids = _needle_prompt(s, "48213", 52)
     assert len(ids) > 1500
     c = _needle_chunk(s, ids, "48213")
@@ -109,7 +110,7 @@ def test_needle_kept_by_qk_dropped_by_lru(model_path, policy):
     s.prefill(ids)
     answer = "".join(s.generate(max_tokens=8))
     resident = s.pager.chunk_table()["block"][c] >= 0
-    if policy == "qk":
+    if policy != "lru":
         assert resident and "48213" in answer.replace(" ", ""), answer
     else:
         assert not resident and "48213" not in answer.replace(" ", ""), answer
