@@ -274,14 +274,19 @@ def test_drafter_layers_default_and_errors(tiny, tmp_path):
     s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy="drafter", drafter=tiny, tau=16, threads=1,
                         verbose=False)
     s.prefill(_tokens(64 * 12, 6).tolist())
-    assert s.policy.eval_layers == 1                # the target as its own drafter: first quarter (2 layers -> 1)
+    assert s.policy.eval_layers == 0                # a quarter, at least 8: all of 2 layers
+    assert s.policy.layers_used == 2
     other = tmp_path / "other.gguf"
     write_tiny_model(str(other), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
                      weight_type="f32", seed=4)
     s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy=DrafterPolicy(str(other), threads=1), threads=1,
                         verbose=False)
     s.prefill(_tokens(64 * 12, 6).tolist())
-    assert s.policy.eval_layers == 0                # a separate drafter keeps all its layers
+    assert s.policy.eval_layers == 0
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy=DrafterPolicy(tiny, layers=1), threads=1,
+                        verbose=False)
+    s.prefill(_tokens(64 * 12, 6).tolist())
+    assert s.policy.eval_layers == 1 and s.policy.layers_used == 1
     with pytest.raises(ValueError, match="layers"):
         DrafterPolicy(tiny, layers=0)
     s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy=DrafterPolicy(tiny, layers=3), threads=1,
@@ -321,3 +326,38 @@ def test_history_attention_per_chunk_matches_numpy(tiny):
     np.testing.assert_allclose(one.history_attention(per_chunk=True), want, rtol=1e-4, atol=1e-6)
     # per-chunk sums of the per-token scores of a single head/layer agree in total mass
     assert got.sum() <= L * H + 1e-3
+
+
+def test_paged_drafter_keeps_every_key_and_scores_like_a_full_cache(tmp_path):
+    # A one-layer drafter: its keys and queries depend only on the tokens, so its paged cache
+    # (forward over a 512-token pool, the rest in host memory) must score what a full cache does.
+    one = str(tmp_path / "one.gguf")
+    write_tiny_model(one, "llama", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=9)
+    target = write_small_llama(tmp_path / "target.gguf", seed=5)
+    toks = _tokens(64 * 30 + 9, 21).tolist()
+    got = {}
+    for pool in (512, None):
+        pol = DrafterPolicy(one, threads=1, pool=pool)
+        s = kvflash.Session(target, max_ctx=4096, kvflash=512, policy=pol, tau=16, threads=1, verbose=False)
+        s.prefill(toks)
+        assert pol._rt.pool_tokens == (512 if pool else 4096)
+        if pool:
+            assert pol._rt.pager.stats["host_chunks"] >= 20      # the drafter's own history paged out, kept
+        got[pool] = pol.score(s.chunk_view())
+    assert got[512].shape == (-(-len(toks) // 64),)
+    np.testing.assert_allclose(got[512], got[None], rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="drafter pool"):
+        DrafterPolicy(one, pool=-1)
+    assert DrafterPolicy(one, pool=0).pool is None               # 0: a full cache
+
+
+def test_drafter_chunk_aggregates(tiny):
+    pol = DrafterPolicy(tiny, aggregate="max")
+    tok = np.array([0, 0, 9, 0, 1, 1, 1, 1, 2], dtype=np.float32)
+    chunk_of = np.arange(9) // 4
+    np.testing.assert_allclose(pol._per_chunk(tok, chunk_of, 3), [9, 1, 2])      # a peak is not diluted
+    pol = DrafterPolicy(tiny, aggregate="mean", smooth_width=1)
+    np.testing.assert_allclose(pol._per_chunk(tok, chunk_of, 3), [2.25, 1, 2])
+    with pytest.raises(ValueError, match="aggregate"):
+        DrafterPolicy(tiny, aggregate="sum")

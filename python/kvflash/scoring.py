@@ -91,30 +91,40 @@ def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> 
 class DrafterPolicy:
     """A second (smaller) model scores every chunk by the attention the tail pays it.
 
-    The drafter keeps its own full cache of the history and is fed only the
+    The drafter keeps its own cache of the whole history and is fed only the
     tokens added since its last rescore (the reference re-reads the whole
     history every time).  At a rescore it evaluates the new tokens, captures the
     queries of the last ``n_queries`` tokens, and takes per history token the
-    attention those queries pay it (softmax per head and layer, mean over the
-    queries, max over heads and layers); the scores are smoothed and averaged
-    per target chunk.  When the drafter's vocabulary differs from the target's,
-    the history is detokenized, re-tokenized for the drafter, and the scores are
-    mapped back to target chunks by byte spans (the cross-tokenizer bridge).
-    The drafter is loaded lazily, at the first rescore.
+    attention those queries pay it (softmax per head and layer over every key of
+    the history, mean over the queries, max over heads and layers).  A chunk
+    scores the peak of its tokens (``aggregate="max"``, the default: a passkey is
+    a few tokens of its chunk) or, the reference's way, their mean after a
+    ``smooth_width``-token moving average (``aggregate="mean"``).  When the
+    drafter's vocabulary differs from the target's, the history is detokenized,
+    re-tokenized for the drafter, and the scores are mapped back to target chunks
+    by byte spans (the cross-tokenizer bridge).  The drafter is loaded lazily, at
+    the first rescore.
 
     ``layers`` cuts the drafter to its first N layers (a scoring runtime: K/V and
     queries of those layers only, no FFN after the last, no head).  Every decoded
-    token is fed to the drafter once, so its forward cost per token is the policy's
-    price; a drafter that is the target itself (nothing smaller exists) costs about
-    a batched target forward per token unless it is cut.  ``layers=None`` keeps all
-    of a separate drafter's layers and, for the target used as its own drafter,
-    the first quarter (rounded up).
+    token is fed to the drafter once, so its forward cost per token is the
+    policy's price.  ``layers=None`` evaluates a quarter of the drafter's layers
+    (rounded up) but at least 8 (or all, when it has fewer).
+
+    ``pool`` pages the drafter's own cache the way the target's is paged: every
+    key and value of the history is kept (bit-exact, the cold chunks in host
+    memory), its forward attends over a ``pool``-token window (attention sink plus
+    the most recent tokens), and the scoring queries attend over every key of the
+    history, resident or paged out.  ``pool=None`` (or 0) gives the drafter a full
+    cache: its forward then attends over the whole history, which costs what a
+    full-cache decode costs per fed token, in memory that grows with the context.
     """
 
     name = "drafter"
 
     def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 8, smooth_width: int = 5,
-                 kv_type: str = "q8_0", layers: Optional[int] = None):
+                 kv_type: str = "q8_0", layers: Optional[int] = None, pool: Optional[int] = 1024,
+                 aggregate: str = "max"):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise ValueError(f"drafter {self.path} does not exist")
@@ -125,6 +135,12 @@ class DrafterPolicy:
         if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
             raise ValueError(f"drafter layers must be a positive integer or None, got {layers!r}")
         self.layers = layers
+        if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 0):
+            raise ValueError(f"drafter pool must be a non-negative token count or None (full cache), got {pool!r}")
+        self.pool = pool or None
+        if aggregate not in ("max", "mean"):
+            raise ValueError(f"drafter aggregate must be 'max' or 'mean', got {aggregate!r}")
+        self.aggregate = aggregate
         self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
         self._model = None
         self._rt = None
@@ -134,6 +150,18 @@ class DrafterPolicy:
         self.fed_tokens_total = 0   # tokens evaluated by the drafter over its lifetime
 
     # -- lazy setup ---------------------------------------------------------
+    def load(self, session) -> None:
+        """Load the drafter for this session now (otherwise done at the first rescore)."""
+        if self._rt is None:
+            self._load(session)
+
+    @property
+    def layers_used(self) -> Optional[int]:
+        """Layers the loaded drafter evaluates (None before it is loaded)."""
+        if self._rt is None:
+            return None
+        return self.eval_layers or int(self._model.hparams["n_layer"])
+
     def _load(self, session) -> None:
         from .tokenizer import Tokenizer
         same = os.path.realpath(self.path) == os.path.realpath(str(session.model_path))
@@ -149,13 +177,17 @@ class DrafterPolicy:
         t = session.tokenizer
         self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
         n_layer = int(self._model.hparams["n_layer"])
-        layers = self.layers if self.layers is not None else (-(-n_layer // 4) if same else n_layer)
+        layers = self.layers if self.layers is not None else max(-(-n_layer // 4), min(n_layer, 8))
         if layers > n_layer:
             raise ValueError(f"drafter layers={layers} but {self.path} has {n_layer} layers")
         self.eval_layers = 0 if layers == n_layer else layers
-        self._rt = _core.Runtime(self._model, max_ctx=max(session.max_ctx * (4 if self.bridged else 1), 1024),
-                                 pool_tokens=0, kv_type=self.kv_type, capture_queries=self.n_queries,
-                                 eval_layers=self.eval_layers)
+        max_ctx = max(session.max_ctx * (4 if self.bridged else 1), 1024)
+        pool = 0
+        if self.pool is not None and self.pool < max_ctx:
+            pool = max(self.pool, _core.min_pool_tokens())
+        self._rt = _core.Runtime(self._model, max_ctx=max_ctx, pool_tokens=pool, kv_type=self.kv_type,
+                                 capture_queries=self.n_queries, eval_layers=self.eval_layers)
+        self._threads = self.threads or session.threads
 
     def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
         """History as bytes plus each target token's end offset."""
@@ -183,6 +215,10 @@ class DrafterPolicy:
             self._fed.extend(new)
             self.fed_tokens_total += len(new)
 
+    def _token_scores(self) -> np.ndarray:
+        """Per drafter position: attention the captured queries pay it (every key of the history)."""
+        return self._rt.history_attention(n_threads=self._threads)
+
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
         s = view.session
         if self._rt is None:
@@ -190,23 +226,32 @@ class DrafterPolicy:
         tokens = view.tokens[: view.n_past]
         if not self.bridged:
             self._feed([int(t) for t in tokens])
-            tok_scores = self._rt.attention_scores()
-            return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
+            chunk_of = np.arange(view.n_past, dtype=np.int64) // view.chunk_tokens
+            return self._per_chunk(self._token_scores(), chunk_of, view.n_chunks)
         # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
         text_bytes, t_ends = self._target_bytes(s, tokens)
         text = text_bytes.decode("utf-8", errors="replace")
         d_ids = self._tok.encode(text, add_special=True, parse_special=False)
         self._feed(d_ids)
-        d_scores = smooth(self._rt.attention_scores(), self.smooth_width)
         d_len = np.array([len(self._tok.token_bytes(int(t), True)) for t in d_ids], dtype=np.int64)
         d_ends = np.cumsum(d_len)
         d_starts = d_ends - d_len
         # each drafter token lands in the target chunk that holds its first byte
         t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
         chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)
-        sums = np.bincount(chunk_of, weights=d_scores[: len(chunk_of)], minlength=view.n_chunks)
-        cnts = np.bincount(chunk_of, minlength=view.n_chunks)
-        return (sums / np.maximum(cnts, 1)).astype(np.float32)[: view.n_chunks]
+        return self._per_chunk(self._token_scores(), chunk_of, view.n_chunks)
+
+    def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
+        """Token scores to chunk scores: the peak per chunk, or the smoothed mean."""
+        n = min(len(tok_scores), len(chunk_of))
+        x, idx = tok_scores[:n].astype(np.float64), chunk_of[:n]
+        if self.aggregate == "max":
+            out = np.zeros(n_chunks, dtype=np.float64)
+            np.maximum.at(out, idx, x)
+        else:
+            x = smooth(x, self.smooth_width)
+            out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
+        return out.astype(np.float32)[:n_chunks]
 
     def reset(self) -> None:
         if self._rt is not None:

@@ -307,17 +307,21 @@ class Session:
         self._since_rescore = 0
         self.rescore()
 
+    def chunk_view(self) -> ChunkView:
+        """What a policy sees now: the chunk table, the token history and this session."""
+        n = -(-self.runtime.n_past // self.chunk_tokens)
+        table = self.pager.chunk_table()
+        return ChunkView(n_chunks=n, chunk_tokens=self.chunk_tokens, n_past=self.runtime.n_past,
+                         tokens=np.asarray(self._tokens, dtype=np.int32), resident=table["block"][:n] >= 0,
+                         protected=table["protected"][:n], pool_chunks=self.pager.n_blocks, session=self)
+
     def rescore(self) -> int:
         """Ask the policy for chunk scores now and repage the pool; returns chunks moved."""
         n = -(-self.runtime.n_past // self.chunk_tokens)
         if n == 0:
             return 0
         t0 = time.perf_counter()
-        table = self.pager.chunk_table()
-        view = ChunkView(n_chunks=n, chunk_tokens=self.chunk_tokens, n_past=self.runtime.n_past,
-                         tokens=np.asarray(self._tokens, dtype=np.int32), resident=table["block"][:n] >= 0,
-                         protected=table["protected"][:n], pool_chunks=self.pager.n_blocks, session=self)
-        scores = self.policy.score(view)
+        scores = self.policy.score(self.chunk_view())
         moved = 0
         if scores is not None:
             moved = self.pager.reselect(validate_scores(scores, n, self.policy.name))

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_str_list, default=None,
                    help="policies compared by the needle routine (default lru,drafter,qk)")
     p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
+    p.add_argument("--drafter-layers", type=int, default=None,
+                   help="evaluate only the drafter's first N layers (default: the policy's, a quarter of them)")
+    p.add_argument("--drafter-pool", type=int, default=None,
+                   help="the drafter's own resident pool in tokens, 0 for a full cache (default: the policy's, 1024)")
     p.add_argument("--tau", type=int, default=64, help="decoded tokens between rescores (default 64)")
     p.add_argument("--repeats", "-r", type=int, help="repeats per measurement (medians with min/max)")
     p.add_argument("--contexts", "-c", type=_int_list, help="context lengths, comma list (1024 or 1K)")
@@ -130,6 +134,8 @@ def config_for(args, routine: str) -> BenchConfig:
     if args.policies is not None:
         cfg.policies = args.policies
     cfg.drafter = args.drafter
+    cfg.drafter_layers = args.drafter_layers
+    cfg.drafter_pool = args.drafter_pool
     cfg.tau = args.tau
     cfg.seed = args.seed
     for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
@@ -205,7 +211,7 @@ def main(argv: Optional[list] = None) -> int:
               "preset": args.preset, "threads_used": threads_used, "elapsed_s": round(elapsed, 1),
               "routines": {c.routine: {k: v for k, v in dataclasses.asdict(c).items() if k != "quiet"} for c in cfgs}}
     first = dataclasses.asdict(cfgs[0])
-    for k in ("model", "threads", "kv_type", "policy", "drafter", "tau", "seed"):
+    for k in ("model", "threads", "kv_type", "policy", "drafter", "drafter_layers", "drafter_pool", "tau", "seed"):
         config[k] = first[k]
     sys.stdout.write(report.render(args.output, results, config, machine))
     sys.stdout.flush()

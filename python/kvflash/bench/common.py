@@ -30,6 +30,8 @@ class BenchConfig:
     policy: str = "drafter"            # kvflash policy for decode/prefill/ab
     policies: list = dataclasses.field(default_factory=lambda: ["lru", "drafter", "qk"])  # needle columns
     drafter: Optional[str] = None
+    drafter_layers: Optional[int] = None   # None: the policy's default
+    drafter_pool: Optional[int] = None     # None: the policy's default; 0: a full cache
     tau: int = 64
     repeats: int = 2
     contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
@@ -249,6 +251,10 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         kw["policy"] = policy
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
+            if cfg.drafter_layers is not None or cfg.drafter_pool is not None:
+                from kvflash.scoring import DrafterPolicy
+                opts = {k: v for k, v in (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool)) if v is not None}
+                kw["policy"] = DrafterPolicy(resolve_model(cfg.drafter), threads=cfg.threads, **opts)
     try:
         s = kvflash.Session(**kw)
     except ValueError as e:

@@ -624,12 +624,17 @@ def run_rescore(cfg: BenchConfig) -> Result:
                 if s.policy.name == "drafter":
                     # the reference's rescore: the drafter reads the whole history again
                     pb.note(f"{ctx_label(D)} drafter: full re-read of {s.n_past} tokens")
+                    from kvflash.scoring import DrafterPolicy
                     pol_obj = s.policy
-                    pol_obj.reset()
+                    # same drafter and layers, a full cache, a fresh start: the whole history read again
+                    ref = DrafterPolicy(pol_obj.path, threads=pol_obj.threads, n_queries=pol_obj.n_queries,
+                                        kv_type=pol_obj.kv_type, layers=pol_obj.layers_used, pool=None)
+                    ref.load(s)
+                    view = s.chunk_view()
                     t1 = time.perf_counter()
-                    pol_obj._feed([int(t) for t in s.tokens])
-                    pol_obj._rt.attention_scores()
+                    ref.score(view)
                     reread = 1e3 * (time.perf_counter() - t1)
+                    del ref
                     row["reread_ms"] = reread
                     row["reread_share"] = f"{100 * reread / period / decode_ms:.0f}%"
                     raw["reread_ms"] = reread
@@ -639,9 +644,10 @@ def run_rescore(cfg: BenchConfig) -> Result:
                 del s
     res.notes += ["decode ms/token excludes rescores; rescore ms/token = all rescore time / tokens decoded; "
                   "a scored policy rescores every max(tau, history/45) decoded tokens",
-                  "drafter: fed only the tokens added since its last rescore (each token once), then its last "
-                  "8 queries attend over its own full cache; full re-read = reset + feed the whole history + "
-                  "score, the reference's way, amortised over the same period",
+                  "drafter: fed only the tokens added since its last rescore (each token once) through its own "
+                  "paged cache, then its last 8 queries attend over every key of its history; full re-read = a "
+                  "fresh full-cache drafter (same layers) reads the whole history and scores, the reference's "
+                  "way, amortised over the same period",
                   "qk: the target's last 8 queries attend over every key of the history (pool + host store)"]
     return res
 
