@@ -361,3 +361,20 @@ def test_drafter_chunk_aggregates(tiny):
     np.testing.assert_allclose(pol._per_chunk(tok, chunk_of, 3), [2.25, 1, 2])
     with pytest.raises(ValueError, match="aggregate"):
         DrafterPolicy(tiny, aggregate="sum")
+
+
+def test_history_attention_groups(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4)
+    n = 64 * 10 + 17
+    rt.eval(_tokens(n, 13))
+    per_chunk = rt.history_attention(per_chunk=True)
+    grouped = rt.history_attention(groups=np.arange(n) // 64)
+    np.testing.assert_allclose(grouped, per_chunk, rtol=1e-6)
+    g = np.full(n, -1)
+    g[64:128] = 0                                   # one group; the rest counted nowhere
+    np.testing.assert_allclose(rt.history_attention(groups=g), per_chunk[1:2], rtol=1e-6)
+    with pytest.raises(ValueError, match="groups"):
+        rt.history_attention(groups=np.zeros(3))
+    pol = DrafterPolicy(tiny, aggregate="mass")
+    assert pol.aggregate == "mass"

@@ -101,7 +101,7 @@ def test_needle_kept_by_scorers_dropped_by_lru(model_path, policy):
     # ~2K tokens through a 512-token pool (8 chunks: sink + 4 tail + 3 free).  The
     # passkey sits near the start, far outside the tail window: LRU must lose it,
     # qk must bring its chunk back and answer.
-    kw = {"drafter": model_path} if policy == "drafter" else {}   # SmolLM2 as its own (8-layer) drafter
+    kw = {"drafter": model_path} if policy == "drafter" else {}   # SmolLM2 as its own drafter (8 layers, paged)
     s = kvflash.Session(model_path, max_ctx=4096, kvflash=512, policy=policy, threads=2, verbose=False, **kw)
     ids = _needle_prompt(s, "48213", 52)
     assert len(ids) > 1500

@@ -492,20 +492,32 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  }
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
-        .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk) {
+        .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj) {
                  const int64_t C = r.rt->config().chunk_tokens;
-                 const int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
+                 int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
+                 py::array_t<int32_t, py::array::c_style | py::array::forcecast> groups;
+                 if (!groups_obj.is_none()) {
+                     groups = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(groups_obj);
+                     if (!groups || groups.ndim() != 1 || groups.shape(0) != r.rt->n_past())
+                         throw std::invalid_argument("history_attention: groups must be a 1-D integer array of "
+                                                     "n_past (" + std::to_string(r.rt->n_past()) + ") entries");
+                     int32_t mx = -1;
+                     for (py::ssize_t i = 0; i < groups.shape(0); ++i) mx = std::max(mx, groups.data()[i]);
+                     n = int64_t(mx) + 1;
+                 }
                  py::array_t<float> out(static_cast<py::ssize_t>(n));
                  if (n_threads <= 0) n_threads = r.model->n_threads();
                  {
                      py::gil_scoped_release nogil;
-                     r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk);
+                     r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk,
+                                             groups_obj.is_none() ? nullptr : groups.data());
                  }
                  return out;
-             }, py::arg("n_threads") = 0, py::arg("per_chunk") = false,
+             }, py::arg("n_threads") = 0, py::arg("per_chunk") = false, py::arg("groups") = py::none(),
              "Like attention_scores, over the whole history: paged-out keys are read from the host store.  "
              "per_chunk=True: one score per chunk, the attention mass it receives per layer and head "
-             "(summed over its positions), max over heads and layers.")
+             "(summed over its positions), max over heads and layers.  groups (int array, one entry per position, "
+             "negative: none) does the same for arbitrary groups; the result has max(groups) + 1 entries.")
         .def("captured_queries", [](PyRuntime &r) {
                  const Hparams &h = r.model->hparams();
                  const int32_t nc = r.rt->n_captured();

@@ -280,9 +280,10 @@ namespace kvflash {
 
 void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                           const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
-                          const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens) {
+                          const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens,
+                          const int32_t *groups, int64_t n_groups) {
     if (n_rows <= 0 || nq <= 0) return;
-    const int64_t n_chunks = chunk_tokens > 0 ? (n_pos + chunk_tokens - 1) / chunk_tokens : 0;
+    const int64_t n_chunks = groups ? n_groups : chunk_tokens > 0 ? (n_pos + chunk_tokens - 1) / chunk_tokens : 0;
     std::vector<double> csum(static_cast<size_t>(n_chunks), 0.0);
     const row_to_f32 conv = converter(type);
     if (!conv) throw std::invalid_argument("attention scores: unsupported K type");
@@ -315,11 +316,14 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
                 for (int64_t s : live)
                     if (row_pos[s] <= q_pos[i]) avg[s] += std::exp(logits[s] - mx) * inv;
             }
-            if (chunk_tokens <= 0) {
+            if (chunk_tokens <= 0 && !groups) {
                 for (int64_t s : live) out[row_pos[s]] = std::max(out[row_pos[s]], avg[s]);
-            } else {  // this head's attention mass per chunk; the max over heads
+            } else {  // this head's attention mass per chunk (or group); the max over heads
                 std::fill(csum.begin(), csum.end(), 0.0);
-                for (int64_t s : live) csum[size_t(row_pos[s] / chunk_tokens)] += avg[s];
+                for (int64_t s : live) {
+                    const int64_t c = groups ? groups[row_pos[s]] : row_pos[s] / chunk_tokens;
+                    if (c >= 0 && c < n_chunks) csum[size_t(c)] += avg[s];
+                }
                 for (int64_t c = 0; c < n_chunks; ++c) out[c] = std::max(out[c], float(csum[c]));
             }
         }

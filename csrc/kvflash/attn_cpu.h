@@ -40,10 +40,12 @@ ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *
 // holds position row_pos[s] (< 0: unused).  The history scorer feeds it rows
 // gathered from the pool and the host store.  chunk_tokens > 0: out has one entry per
 // chunk of chunk_tokens positions instead, each head's attention mass summed over the
-// chunk (mean over the queries), and the max over heads.
+// chunk (mean over the queries), and the max over heads.  groups (length n_pos) instead
+// maps each position to one of n_groups outputs the same way (< 0: counted nowhere).
 void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                           const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
-                          const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens = 0);
+                          const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens = 0,
+                          const int32_t *groups = nullptr, int64_t n_groups = 0);
 
 void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
                           int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,

@@ -12,14 +12,17 @@
 
 namespace kvflash {
 
-void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk) const {
+// groups (length n_past, values < n or negative): out[g] is the attention mass group g
+// receives per layer and head, max over them (per_chunk is groups = position / chunk).
+void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk,
+                                const int32_t *groups) const {
     if (n_captured_ == 0) throw std::invalid_argument("history_attention: no query captured yet");
     std::fill(out, out + n, 0.f);
     const Hparams &hp = model_->hparams();
     const Pager &pg = *cache_->pager;
     const KVPool &pool = *cache_->pool;
     const int32_t L = pool.n_layers(), D = hp.head_dim_k, H = hp.n_head, C = cfg_.chunk_tokens;
-    const int64_t n_pos = per_chunk ? std::min<int64_t>(n * C, n_past_) : std::min<int64_t>(n, n_past_);
+    const int64_t n_pos = groups ? n_past_ : per_chunk ? std::min<int64_t>(n * C, n_past_) : std::min<int64_t>(n, n_past_);
     const int32_t n_chunks = int32_t((n_pos + C - 1) / C);
     if (n_chunks == 0) return;
     sync_for_host_read();
@@ -53,7 +56,7 @@ void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool p
         }
         const float *q = captured_q_.data() + size_t(il) * n_captured_ * H * D;
         attention_probs_rows(q, n_captured_, H, hp.n_head_kv, D, k->type, rows.data(), rb, int64_t(n_chunks) * C,
-                             row_pos.data(), qpos.data(), hp.attn_scale, acc, n_pos, per_chunk ? C : 0);
+                             row_pos.data(), qpos.data(), hp.attn_scale, acc, n_pos, per_chunk ? C : 0, groups, n);
     };
 
     const int32_t T = std::max(1, std::min(n_threads, L));

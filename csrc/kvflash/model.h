@@ -197,7 +197,8 @@ public:
     // these queries.  One pass over every key per call; layers split over n_threads.
     // per_chunk: out[c] for the n chunks instead -- per layer and head the attention
     // mass the chunk receives (summed over its positions), then the max over heads and layers.
-    void history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk = false) const;
+    void history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk = false,
+                           const int32_t *groups = nullptr) const;
 
 private:
     struct Graph;

@@ -138,8 +138,8 @@ class DrafterPolicy:
         if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 0):
             raise ValueError(f"drafter pool must be a non-negative token count or None (full cache), got {pool!r}")
         self.pool = pool or None
-        if aggregate not in ("max", "mean"):
-            raise ValueError(f"drafter aggregate must be 'max' or 'mean', got {aggregate!r}")
+        if aggregate not in ("max", "mean", "mass"):
+            raise ValueError(f"drafter aggregate must be 'max', 'mean' or 'mass', got {aggregate!r}")
         self.aggregate = aggregate
         self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
         self._model = None
@@ -227,7 +227,7 @@ class DrafterPolicy:
         if not self.bridged:
             self._feed([int(t) for t in tokens])
             chunk_of = np.arange(view.n_past, dtype=np.int64) // view.chunk_tokens
-            return self._per_chunk(self._token_scores(), chunk_of, view.n_chunks)
+            return self._chunk_scores(chunk_of, view.n_chunks)
         # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
         text_bytes, t_ends = self._target_bytes(s, tokens)
         text = text_bytes.decode("utf-8", errors="replace")
@@ -239,7 +239,15 @@ class DrafterPolicy:
         # each drafter token lands in the target chunk that holds its first byte
         t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
         chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)
-        return self._per_chunk(self._token_scores(), chunk_of, view.n_chunks)
+        return self._chunk_scores(chunk_of, view.n_chunks)
+
+    def _chunk_scores(self, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
+        if self.aggregate == "mass":  # each head's attention mass per chunk, max over heads and layers
+            out = np.zeros(n_chunks, dtype=np.float32)
+            got = self._rt.history_attention(n_threads=self._threads, groups=chunk_of.astype(np.int32))
+            out[: len(got)] = got[:n_chunks]
+            return out
+        return self._per_chunk(self._token_scores(), chunk_of, n_chunks)
 
     def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
         """Token scores to chunk scores: the peak per chunk, or the smoothed mean."""
