@@ -378,3 +378,20 @@ def test_history_attention_groups(tiny):
         rt.history_attention(groups=np.zeros(3))
     pol = DrafterPolicy(tiny, aggregate="mass")
     assert pol.aggregate == "mass"
+
+
+def test_drafter_cut_reaches_a_full_attention_layer(tmp_path):
+    # Gemma-3 style: five sliding-window layers, then a global one.  Only global layers are
+    # paged and scored, so a cut must reach the first of them.
+    gem = str(tmp_path / "gem.gguf")
+    write_tiny_model(gem, "gemma3", n_layer=12, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, seed=2)
+    m = _core.Model(gem, 1)
+    assert min(m.global_layers) == 5
+    s = kvflash.Session(gem, max_ctx=2048, kvflash=512, policy=DrafterPolicy(gem, threads=1), threads=1,
+                        verbose=False)
+    s.prefill(_tokens(64 * 12, 8).tolist())
+    assert s.policy.layers_used == 8 and s.policy._rt.pager.n_layers == 1
+    s = kvflash.Session(gem, max_ctx=2048, kvflash=512, policy=DrafterPolicy(gem, layers=4, threads=1), threads=1,
+                        verbose=False)
+    with pytest.raises(ValueError, match="first full-attention layer"):
+        s.prefill(_tokens(64 * 12, 8).tolist())

@@ -109,7 +109,8 @@ class DrafterPolicy:
     queries of those layers only, no FFN after the last, no head).  Every decoded
     token is fed to the drafter once, so its forward cost per token is the
     policy's price.  ``layers=None`` evaluates a quarter of the drafter's layers
-    (rounded up) but at least 8 (or all, when it has fewer).
+    (rounded up) but at least 8 (or all, when it has fewer), and always through
+    its first full-attention layer (the sliding-window layers score nothing).
 
     ``pool`` pages the drafter's own cache the way the target's is paged: every
     key and value of the history is kept (bit-exact, the cold chunks in host
@@ -177,9 +178,15 @@ class DrafterPolicy:
         t = session.tokenizer
         self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
         n_layer = int(self._model.hparams["n_layer"])
-        layers = self.layers if self.layers is not None else max(-(-n_layer // 4), min(n_layer, 8))
+        first_global = min(self._model.global_layers)   # the scores come from full-attention layers
+        layers = self.layers
+        if layers is None:
+            layers = max(-(-n_layer // 4), min(n_layer, 8), first_global + 1)
         if layers > n_layer:
             raise ValueError(f"drafter layers={layers} but {self.path} has {n_layer} layers")
+        if layers <= first_global:
+            raise ValueError(f"drafter layers={layers}: the first full-attention layer of {self.path} is layer "
+                             f"{first_global} (the others use a sliding window); use layers >= {first_global + 1}")
         self.eval_layers = 0 if layers == n_layer else layers
         max_ctx = max(session.max_ctx * (4 if self.bridged else 1), 1024)
         pool = 0
