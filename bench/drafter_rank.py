@@ -1,0 +1,110 @@
+"""Where does the drafter rank the passkey chunk?  A probe for drafter scoring ideas.
+
+For each needle trial (the bench's prompts: same builder, seed and token budget as `bench needle`), a
+fresh DrafterPolicy with each requested variant scores the whole prompt once, as the session does when
+a prompt outgrows the pool, and this prints the rank of the chunk holding the passkey among the chunks
+the policy chooses from (not the sink, not the tail window).  Rank < free slots means the chunk is kept.
+No target forward pass runs, so one variant costs one drafter feed (~15 s at 8K on 2 cores).
+
+Besides DrafterPolicy keyword variants, `--contrast N` adds one experimental scoring: the drafter's
+token scores from the queries N tokens before the end (the text before the question) are subtracted
+from the tail's, which removes attention that any query pays (sinks, salient words), keeping what the
+question itself asks for.
+
+    python bench/drafter_rank.py --model gemma3-270m --drafter smollm2-135m --context 8192 --pool 768 \
+        --trials 2,3,10 --variants '[{}, {"n_queries": 16}, {"aggregate": "mass"}]' --contrast 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+import kvflash
+from kvflash.bench.needle import NeedleBuilder
+from kvflash.models import resolve_model
+from kvflash.policies import ChunkView
+from kvflash.scoring import DrafterPolicy
+
+
+def rank_of(scores: np.ndarray, protected: np.ndarray, chunk: int) -> int:
+    cand = np.where(~protected)[0]
+    order = cand[np.argsort(-scores[cand], kind="stable")]
+    hit = np.where(order == chunk)[0]
+    return int(hit[0]) if len(hit) else -1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--drafter", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--pool", type=int, default=768)
+    ap.add_argument("--trials", default="0,1,2,3")
+    ap.add_argument("--depths", default="10,50,90")
+    ap.add_argument("--answer-tokens", type=int, default=12, help="as the needle routine reserves (default 12)")
+    ap.add_argument("--variants", default="[{}]", help="JSON list of DrafterPolicy keyword dicts")
+    ap.add_argument("--contrast", type=int, default=0,
+                    help="also score the tail minus the queries N tokens back (with the first variant's settings; "
+                         "token scores, so aggregate max or mean)")
+    ap.add_argument("--sink", type=int, default=1, help="sink chunks (the session's default 1)")
+    ap.add_argument("--tail", type=int, default=4, help="tail window chunks (the session's default 4)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+    a = ap.parse_args()
+    variants = json.loads(a.variants)
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        raise SystemExit("--variants must be a JSON list of objects, e.g. '[{}, {\"n_queries\": 16}]'")
+    depths = [int(x) for x in a.depths.split(",")]
+    s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads)
+    C = s.chunk_tokens
+    drafter = str(resolve_model(a.drafter))
+    builder = NeedleBuilder(s, a.seed)
+    tb = s.tokenizer.token_bytes
+    print(f"model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
+          f"among the unprotected chunks (kept when rank < free)")
+    for i in (int(x) for x in a.trials.split(",")):
+        t = builder.trial(i, a.context - a.answer_tokens - 1, depths)
+        n_chunks = -(-len(t.ids) // C)
+        protected = np.zeros(n_chunks, dtype=bool)
+        protected[: a.sink] = True
+        protected[max(0, n_chunks - a.tail - 1):] = True   # the tail window plus the chunk being filled
+        view = ChunkView(n_chunks=n_chunks, chunk_tokens=C, n_past=len(t.ids),
+                         tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
+                         protected=protected, pool_chunks=a.pool // C, session=s)
+        pieces = [tb(int(x), True) for x in t.ids]
+        ends = np.cumsum([len(p) for p in pieces])
+        chunk = int(np.searchsorted(ends, b"".join(pieces).find(t.value.encode()), side="right")) // C
+        free = view.pool_chunks - int(view.protected.sum())
+        ranks = []
+        for v in variants:
+            p = DrafterPolicy(drafter, threads=a.threads, **v)
+            ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
+        if a.contrast > 0:
+            p = DrafterPolicy(drafter, threads=a.threads, **(variants[0] if variants else {}))
+            p.load(s)
+            p.score(view)   # feeds the (bridged) history; the mapping below repeats score()'s
+            ids = list(p._fed)
+            n = len(ids)
+            if p.bridged:
+                d_len = np.array([len(p._tok.token_bytes(int(x), True)) for x in ids], dtype=np.int64)
+                starts = np.cumsum(d_len) - d_len
+                chunk_end = ends[np.minimum(np.arange(1, view.n_chunks + 1) * C, len(ends)) - 1]
+                chunk_of = np.searchsorted(chunk_end, starts, side="right").clip(0, view.n_chunks - 1)
+            else:
+                chunk_of = np.arange(n) // C
+            tail = p._token_scores().astype(np.float64)
+            p.reset()
+            p._feed(ids[: n - a.contrast])
+            base = p._token_scores().astype(np.float64)
+            x = tail.copy()
+            x[: len(base)] -= base
+            ranks.append((f"contrast {a.contrast}", rank_of(p._per_chunk(x, chunk_of, view.n_chunks),
+                                                            view.protected, chunk)))
+        print(f"trial {i} depth {t.depth}% passkey chunk {chunk}/{view.n_chunks} free {free}: " +
+              ", ".join(f"{k} → {r}" for k, r in ranks), flush=True)
+
+
+if __name__ == "__main__":
+    main()
