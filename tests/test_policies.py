@@ -395,3 +395,35 @@ def test_drafter_cut_reaches_a_full_attention_layer(tmp_path):
                         verbose=False)
     with pytest.raises(ValueError, match="first full-attention layer"):
         s.prefill(_tokens(64 * 12, 8).tolist())
+
+
+def test_drafter_contrast_subtracts_the_earlier_queries_scores(tiny):
+    # contrast=N: tail scores minus the scores of the queries that ended N tokens earlier, per token.
+    toks = _tokens(64 * 9 + 5, 33).tolist()
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
+    s.prefill(toks)
+    view = s.chunk_view()
+    pol = DrafterPolicy(tiny, threads=1, n_queries=8, contrast=40)
+    got = pol.score(view)
+    ref = DrafterPolicy(tiny, threads=1, n_queries=8)
+    ref.load(s)
+    ref._feed(toks[:-40])
+    base = ref._token_scores().astype(np.float64)
+    ref._feed(toks)
+    x = ref._token_scores().astype(np.float64)
+    assert len(base) == len(toks) - 40 and len(x) == len(toks)
+    x[: len(base)] -= base
+    want = ref._per_chunk(x, np.arange(len(toks)) // 64, view.n_chunks)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    plain = DrafterPolicy(tiny, threads=1, n_queries=8).score(view)
+    assert not np.allclose(got, plain)                   # the subtraction changed the ranking input
+    # the next rescore still feeds only what was added since the last one
+    fed = pol.fed_tokens_total
+    more = _tokens(100, 34).tolist()
+    s.prefill(more)
+    pol.score(s.chunk_view())
+    assert pol.fed_tokens_total == fed + len(more)
+    for bad, match in ((dict(contrast=-1), "contrast"), (dict(contrast=8, aggregate="mass"), "contrast"),
+                       (dict(n_queries=0), "n_queries")):
+        with pytest.raises(ValueError, match=match):
+            DrafterPolicy(tiny, **bad)

@@ -112,6 +112,11 @@ class DrafterPolicy:
     (rounded up) but at least 8 (or all, when it has fewer), and always through
     its first full-attention layer (the sliding-window layers score nothing).
 
+    ``contrast=N`` (off by default) subtracts, per history token, the attention
+    paid by the queries that ended N drafter tokens earlier from the tail's: what
+    any query attends to (sinks, salient words) cancels, what the tail itself asks
+    for stays.  It costs one more pass over the history per rescore.
+
     ``pool`` pages the drafter's own cache the way the target's is paged: every
     key and value of the history is kept (bit-exact, the cold chunks in host
     memory), its forward attends over a ``pool``-token window (attention sink plus
@@ -125,7 +130,7 @@ class DrafterPolicy:
 
     def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 8, smooth_width: int = 5,
                  kv_type: str = "q8_0", layers: Optional[int] = None, pool: Optional[int] = 1024,
-                 aggregate: str = "max"):
+                 aggregate: str = "max", contrast: int = 0):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise ValueError(f"drafter {self.path} does not exist")
@@ -142,6 +147,13 @@ class DrafterPolicy:
         if aggregate not in ("max", "mean", "mass"):
             raise ValueError(f"drafter aggregate must be 'max', 'mean' or 'mass', got {aggregate!r}")
         self.aggregate = aggregate
+        if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 4096:
+            raise ValueError(f"drafter n_queries must be an integer in [1, 4096], got {n_queries!r}")
+        if not isinstance(contrast, int) or isinstance(contrast, bool) or contrast < 0:
+            raise ValueError(f"drafter contrast must be a non-negative token count (0: off), got {contrast!r}")
+        if contrast and aggregate == "mass":
+            raise ValueError("drafter contrast subtracts token scores: use aggregate='max' or 'mean' with it")
+        self.contrast = contrast
         self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
         self._model = None
         self._rt = None
@@ -232,29 +244,36 @@ class DrafterPolicy:
             self._load(s)
         tokens = view.tokens[: view.n_past]
         if not self.bridged:
-            self._feed([int(t) for t in tokens])
             chunk_of = np.arange(view.n_past, dtype=np.int64) // view.chunk_tokens
-            return self._chunk_scores(chunk_of, view.n_chunks)
+            return self._chunk_scores([int(t) for t in tokens], chunk_of, view.n_chunks)
         # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
         text_bytes, t_ends = self._target_bytes(s, tokens)
         text = text_bytes.decode("utf-8", errors="replace")
         d_ids = self._tok.encode(text, add_special=True, parse_special=False)
-        self._feed(d_ids)
         d_len = np.array([len(self._tok.token_bytes(int(t), True)) for t in d_ids], dtype=np.int64)
         d_ends = np.cumsum(d_len)
         d_starts = d_ends - d_len
         # each drafter token lands in the target chunk that holds its first byte
         t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
         chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)
-        return self._chunk_scores(chunk_of, view.n_chunks)
+        return self._chunk_scores(d_ids, chunk_of, view.n_chunks)
 
-    def _chunk_scores(self, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
+    def _chunk_scores(self, ids: list, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
+        """Feed the drafter up to ``ids`` and score the target's chunks (``chunk_of``: per drafter token)."""
+        base = None
+        if self.contrast and len(ids) > self.contrast + self.n_queries:
+            self._feed(ids[: len(ids) - self.contrast])
+            base = self._token_scores().astype(np.float64)
+        self._feed(ids)
         if self.aggregate == "mass":  # each head's attention mass per chunk, max over heads and layers
             out = np.zeros(n_chunks, dtype=np.float32)
             got = self._rt.history_attention(n_threads=self._threads, groups=chunk_of.astype(np.int32))
             out[: len(got)] = got[:n_chunks]
             return out
-        return self._per_chunk(self._token_scores(), chunk_of, n_chunks)
+        x = self._token_scores().astype(np.float64)
+        if base is not None:
+            x[: len(base)] -= base
+        return self._per_chunk(x, chunk_of, n_chunks)
 
     def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
         """Token scores to chunk scores: the peak per chunk, or the smoothed mean."""

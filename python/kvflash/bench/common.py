@@ -32,6 +32,8 @@ class BenchConfig:
     drafter: Optional[str] = None
     drafter_layers: Optional[int] = None   # None: the policy's default
     drafter_pool: Optional[int] = None     # None: the policy's default; 0: a full cache
+    drafter_queries: Optional[int] = None  # None: the policy's default (8)
+    drafter_contrast: Optional[int] = None  # None: the policy's default (0: off)
     tau: int = 64
     repeats: int = 2
     contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
@@ -251,9 +253,11 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         kw["policy"] = policy
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
-            if cfg.drafter_layers is not None or cfg.drafter_pool is not None:
+            pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),
+                     ("n_queries", cfg.drafter_queries), ("contrast", cfg.drafter_contrast))
+            opts = {k: v for k, v in pairs if v is not None}
+            if opts:
                 from kvflash.scoring import DrafterPolicy
-                opts = {k: v for k, v in (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool)) if v is not None}
                 kw["policy"] = DrafterPolicy(resolve_model(cfg.drafter), threads=cfg.threads, **opts)
     try:
         s = kvflash.Session(**kw)
