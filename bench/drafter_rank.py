@@ -6,10 +6,10 @@ a prompt outgrows the pool, and this prints the rank of the chunk holding the pa
 the policy chooses from (not the sink, not the tail window).  Rank < free slots means the chunk is kept.
 No target forward pass runs, so one variant costs one drafter feed (~15 s at 8K on 2 cores).
 
-Besides DrafterPolicy keyword variants, `--contrast N` adds one experimental scoring: the drafter's
-token scores from the queries N tokens before the end (the text before the question) are subtracted
-from the tail's, which removes attention that any query pays (sinks, salient words), keeping what the
-question itself asks for.
+Besides DrafterPolicy keyword variants, `--contrast N` adds the first variant with `contrast=N`: the
+drafter's token scores from the queries N tokens before the end (the text before the question) are
+subtracted from the tail's, which removes attention that any query pays (sinks, salient words),
+keeping what the question itself asks for.
 
     python bench/drafter_rank.py --model gemma3-270m --drafter smollm2-135m --context 8192 --pool 768 \
         --trials 2,3,10 --variants '[{}, {"n_queries": 16}, {"aggregate": "mass"}]' --contrast 32
@@ -23,6 +23,7 @@ import numpy as np
 
 import kvflash
 from kvflash.bench.needle import NeedleBuilder
+from kvflash.bench.routines import _passkey_chunk
 from kvflash.models import resolve_model
 from kvflash.policies import ChunkView
 from kvflash.scoring import DrafterPolicy
@@ -45,9 +46,7 @@ def main() -> None:
     ap.add_argument("--depths", default="10,50,90")
     ap.add_argument("--answer-tokens", type=int, default=12, help="as the needle routine reserves (default 12)")
     ap.add_argument("--variants", default="[{}]", help="JSON list of DrafterPolicy keyword dicts")
-    ap.add_argument("--contrast", type=int, default=0,
-                    help="also score the tail minus the queries N tokens back (with the first variant's settings; "
-                         "token scores, so aggregate max or mean)")
+    ap.add_argument("--contrast", type=int, default=0, help="also run the first variant with contrast=N")
     ap.add_argument("--sink", type=int, default=1, help="sink chunks (the session's default 1)")
     ap.add_argument("--tail", type=int, default=4, help="tail window chunks (the session's default 4)")
     ap.add_argument("--threads", type=int, default=2)
@@ -61,7 +60,6 @@ def main() -> None:
     C = s.chunk_tokens
     drafter = str(resolve_model(a.drafter))
     builder = NeedleBuilder(s, a.seed)
-    tb = s.tokenizer.token_bytes
     print(f"model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
           f"among the unprotected chunks (kept when rank < free)")
     for i in (int(x) for x in a.trials.split(",")):
@@ -73,35 +71,16 @@ def main() -> None:
         view = ChunkView(n_chunks=n_chunks, chunk_tokens=C, n_past=len(t.ids),
                          tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
                          protected=protected, pool_chunks=a.pool // C, session=s)
-        pieces = [tb(int(x), True) for x in t.ids]
-        ends = np.cumsum([len(p) for p in pieces])
-        chunk = int(np.searchsorted(ends, b"".join(pieces).find(t.value.encode()), side="right")) // C
+        chunk = _passkey_chunk(s, t.ids, t.value)
         free = view.pool_chunks - int(view.protected.sum())
         ranks = []
         for v in variants:
             p = DrafterPolicy(drafter, threads=a.threads, **v)
             ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
-        if a.contrast > 0:
-            p = DrafterPolicy(drafter, threads=a.threads, **(variants[0] if variants else {}))
-            p.load(s)
-            p.score(view)   # feeds the (bridged) history; the mapping below repeats score()'s
-            ids = list(p._fed)
-            n = len(ids)
-            if p.bridged:
-                d_len = np.array([len(p._tok.token_bytes(int(x), True)) for x in ids], dtype=np.int64)
-                starts = np.cumsum(d_len) - d_len
-                chunk_end = ends[np.minimum(np.arange(1, view.n_chunks + 1) * C, len(ends)) - 1]
-                chunk_of = np.searchsorted(chunk_end, starts, side="right").clip(0, view.n_chunks - 1)
-            else:
-                chunk_of = np.arange(n) // C
-            tail = p._token_scores().astype(np.float64)
-            p.reset()
-            p._feed(ids[: n - a.contrast])
-            base = p._token_scores().astype(np.float64)
-            x = tail.copy()
-            x[: len(base)] -= base
-            ranks.append((f"contrast {a.contrast}", rank_of(p._per_chunk(x, chunk_of, view.n_chunks),
-                                                            view.protected, chunk)))
+        if a.contrast > 0:   # the first variant with contrast=N (DrafterPolicy's contrastive scoring)
+            v = {**(variants[0] if variants else {}), "contrast": a.contrast}
+            p = DrafterPolicy(drafter, threads=a.threads, **v)
+            ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
         print(f"trial {i} depth {t.depth}% passkey chunk {chunk}/{view.n_chunks} free {free}: " +
               ", ".join(f"{k} → {r}" for k, r in ranks), flush=True)
 
