@@ -10,7 +10,7 @@ import pytest
 import kvflash
 from kvflash import _core
 from kvflash.policies import ChunkView, validate_scores
-from kvflash.scoring import DrafterPolicy, QKPolicy, per_chunk_mean, smooth
+from kvflash.scoring import DrafterPolicy, QKPolicy, per_chunk_mean, smooth, spread_max
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tinygguf import write_small_llama, write_tiny_model  # noqa: E402
@@ -233,6 +233,18 @@ def test_history_attention_sees_paged_out_keys(tmp_path):
     assert pooled.captured_queries().shape[1] == 5
     with pytest.raises(ValueError, match="captured"):
         _core.Runtime(m, max_ctx=1024, pool_tokens=0).history_attention()
+    # a subset of the captured queries scores what a runtime capturing only those would
+    few = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="q8_0", capture_queries=3)
+    few.eval(toks[:-4])                            # its queries: positions n-7..n-5 = full's captured 1..3
+    assert few.n_captured == 3
+    sub = full.history_attention(q_first=1, q_count=3)
+    np.testing.assert_allclose(sub[:-4], few.history_attention(), rtol=1e-4, atol=1e-7)
+    assert not sub[-4:].any()                      # later keys are invisible to those queries
+    assert not np.allclose(full.history_attention(q_first=1, q_count=3), full.history_attention())
+    np.testing.assert_array_equal(full.history_attention(q_first=5), full.history_attention(q_first=5, q_count=3))
+    for first, count in ((8, 1), (-1, 2), (6, 3), (0, 0)):
+        with pytest.raises(ValueError, match="captured"):
+            full.history_attention(q_first=first, q_count=count)
 
 
 def test_qk_modes_and_errors():
@@ -353,11 +365,11 @@ def test_paged_drafter_keeps_every_key_and_scores_like_a_full_cache(tmp_path):
 
 
 def test_drafter_chunk_aggregates(tiny):
-    pol = DrafterPolicy(tiny, aggregate="max")
+    pol = DrafterPolicy(tiny, aggregate="max", spread=0)
     tok = np.array([0, 0, 9, 0, 1, 1, 1, 1, 2], dtype=np.float32)
     chunk_of = np.arange(9) // 4
     np.testing.assert_allclose(pol._per_chunk(tok, chunk_of, 3), [9, 1, 2])      # a peak is not diluted
-    pol = DrafterPolicy(tiny, aggregate="mean", smooth_width=1)
+    pol = DrafterPolicy(tiny, aggregate="mean", smooth_width=1, spread=0)
     np.testing.assert_allclose(pol._per_chunk(tok, chunk_of, 3), [2.25, 1, 2])
     with pytest.raises(ValueError, match="aggregate"):
         DrafterPolicy(tiny, aggregate="sum")
@@ -415,7 +427,7 @@ def test_drafter_contrast_subtracts_the_earlier_queries_scores(tiny):
     x[: len(base)] -= base
     want = ref._per_chunk(x, np.arange(len(toks)) // 64, view.n_chunks)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
-    plain = DrafterPolicy(tiny, threads=1, n_queries=8).score(view)
+    plain = DrafterPolicy(tiny, threads=1, n_queries=8, contrast=0).score(view)
     assert not np.allclose(got, plain)                   # the subtraction changed the ranking input
     # the next rescore still feeds only what was added since the last one
     fed = pol.fed_tokens_total
@@ -423,7 +435,28 @@ def test_drafter_contrast_subtracts_the_earlier_queries_scores(tiny):
     s.prefill(more)
     pol.score(s.chunk_view())
     assert pol.fed_tokens_total == fed + len(more)
+    # scoring again with nothing new (or fewer new tokens than the contrast) re-captures the right queries
+    again = pol.score(s.chunk_view())
+    np.testing.assert_allclose(again, DrafterPolicy(tiny, threads=1, n_queries=8, contrast=40).score(s.chunk_view()),
+                               rtol=1e-5, atol=1e-8)
     for bad, match in ((dict(contrast=-1), "contrast"), (dict(contrast=8, aggregate="mass"), "contrast"),
-                       (dict(n_queries=0), "n_queries")):
+                       (dict(n_queries=0), "n_queries"), (dict(spread=-2), "spread"),
+                       (dict(spread=3, aggregate="mass"), "spread"), (dict(spread=1.5), "spread")):
         with pytest.raises(ValueError, match=match):
             DrafterPolicy(tiny, **bad)
+
+
+def test_drafter_spread_reaches_across_a_chunk_edge(tiny):
+    # the tail attends to "passkey" at the end of chunk 0; the digits sit at the start of chunk 1
+    x = np.zeros(40)
+    x[9], x[35] = 5.0, 1.0
+    np.testing.assert_allclose(spread_max(x, 2)[7:12], [5, 5, 5, 5, 5])
+    assert spread_max(x, 2)[6] == 0 and spread_max(x, 2)[12] == 0
+    np.testing.assert_array_equal(spread_max(x, 0), x)
+    chunk_of = np.arange(40) // 10                     # chunks of 10 tokens: the peak is chunk 0's last token
+    plain = DrafterPolicy(tiny, spread=0)._per_chunk(x, chunk_of, 4)
+    spread = DrafterPolicy(tiny, spread=2)._per_chunk(x, chunk_of, 4)
+    assert np.argsort(-plain)[1] == 3                  # without spread chunk 1 (the digits) ranks below chunk 3
+    np.testing.assert_allclose(spread, [5, 5, 0, 1])   # with it, chunk 1 shares chunk 0's peak
+    neg = np.array([-3.0, -1.0, -2.0])                 # contrast makes scores negative: spread keeps them
+    np.testing.assert_allclose(spread_max(neg, 1), [-1, -1, -1])

@@ -492,7 +492,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  }
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
-        .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj) {
+        .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj,
+                                     int32_t q_first, int32_t q_count) {
                  const int64_t C = r.rt->config().chunk_tokens;
                  int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
                  py::array_t<int32_t, py::array::c_style | py::array::forcecast> groups;
@@ -510,14 +511,18 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  {
                      py::gil_scoped_release nogil;
                      r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk,
-                                             groups_obj.is_none() ? nullptr : groups.data());
+                                             groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count);
                  }
                  return out;
              }, py::arg("n_threads") = 0, py::arg("per_chunk") = false, py::arg("groups") = py::none(),
+             py::arg("q_first") = 0, py::arg("q_count") = -1,
              "Like attention_scores, over the whole history: paged-out keys are read from the host store.  "
              "per_chunk=True: one score per chunk, the attention mass it receives per layer and head "
              "(summed over its positions), max over heads and layers.  groups (int array, one entry per position, "
-             "negative: none) does the same for arbitrary groups; the result has max(groups) + 1 entries.")
+             "negative: none) does the same for arbitrary groups; the result has max(groups) + 1 entries.  q_first, "
+             "q_count: only those captured queries (capture order, oldest first; q_count -1: the rest).")
+        .def_property_readonly("n_captured", [](PyRuntime &r) { return r.rt->n_captured(); },
+                               "How many queries are captured now (the last ones evaluated, up to capture_queries).")
         .def("captured_queries", [](PyRuntime &r) {
                  const Hparams &h = r.model->hparams();
                  const int32_t nc = r.rt->n_captured();

@@ -289,40 +289,60 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
     if (!conv) throw std::invalid_argument("attention scores: unsupported K type");
     const int32_t G = H / Hkv;
     const size_t k_head = ggml_row_size(type, D);
-    std::vector<float> Kg(size_t(n_rows) * D), logits(n_rows), avg(n_rows);
-    std::vector<int64_t> live;  // rows holding a written position
+    // The rows holding a written position, packed in position order, so that each query's
+    // visible keys are a prefix (queries see positions <= their own) and the dot products
+    // run four keys at a time over contiguous rows.
+    std::vector<int64_t> live;
     for (int64_t s = 0; s < n_rows; ++s)
         if (row_pos[s] >= 0 && row_pos[s] < n_pos) live.push_back(s);
+    std::stable_sort(live.begin(), live.end(), [&](int64_t a, int64_t b) { return row_pos[a] < row_pos[b]; });
+    const int64_t nl = int64_t(live.size());
+    if (nl == 0) return;
+    std::vector<int64_t> lpos(static_cast<size_t>(nl));
+    for (int64_t j = 0; j < nl; ++j) lpos[size_t(j)] = row_pos[live[size_t(j)]];
+    std::vector<int64_t> n_vis(static_cast<size_t>(nq));  // keys visible to query i: a prefix of the packed rows
+    for (int32_t i = 0; i < nq; ++i)
+        n_vis[size_t(i)] = std::upper_bound(lpos.begin(), lpos.end(), q_pos[i]) - lpos.begin();
+    // Per KV group: the logits of every (head of the group, query) pair over blocks of kBlock keys
+    // (a block stays in L1 while all pairs read it), then a softmax per pair over its prefix.
+    constexpr int64_t kBlock = 128;
+    const int64_t n_pair = int64_t(G) * nq;
+    std::vector<float> Kg(size_t(nl) * D), lg(size_t(n_pair) * nl), avg(static_cast<size_t>(nl));
     for (int32_t g = 0; g < Hkv; ++g) {
-        for (int64_t s : live) conv(rows + size_t(s) * row_bytes + g * k_head, &Kg[size_t(s) * D], D);
+        for (int64_t j = 0; j < nl; ++j) conv(rows + size_t(live[size_t(j)]) * row_bytes + g * k_head, &Kg[size_t(j) * D], D);
+        for (int64_t a0 = 0; a0 < nl; a0 += kBlock) {
+            for (int32_t hh = 0; hh < G; ++hh)
+                for (int32_t i = 0; i < nq; ++i) {
+                    const int64_t a1 = std::min(a0 + kBlock, n_vis[size_t(i)]);
+                    if (a1 <= a0) continue;
+                    const float *qh = q + (size_t(i) * H + g * G + hh) * D;
+                    dots(qh, &Kg[size_t(a0) * D], int(a1 - a0), D, &lg[size_t(hh * nq + i) * nl + a0]);
+                }
+        }
         for (int32_t hh = 0; hh < G; ++hh) {
-            const int32_t h = g * G + hh;
             std::fill(avg.begin(), avg.end(), 0.f);
             for (int32_t i = 0; i < nq; ++i) {
-                const float *qh = q + (size_t(i) * H + h) * D;
+                const int64_t nv = n_vis[size_t(i)];
+                if (nv == 0) continue;
+                float *pr = &lg[size_t(hh * nq + i) * nl];
                 float mx = -std::numeric_limits<float>::infinity();
-                for (int64_t s : live) {
-                    if (row_pos[s] > q_pos[i]) continue;
-                    float d = 0.f;
-                    dots(qh, &Kg[size_t(s) * D], 1, D, &d);
-                    logits[s] = d * scale;
-                    mx = std::max(mx, logits[s]);
+                for (int64_t j = 0; j < nv; ++j) mx = std::max(mx, pr[j]);
+                float sum = 0.f;
+                for (int64_t j = 0; j < nv; ++j) {
+                    pr[j] = std::exp((pr[j] - mx) * scale);
+                    sum += pr[j];
                 }
-                if (mx == -std::numeric_limits<float>::infinity()) continue;
-                double sum = 0;
-                for (int64_t s : live)
-                    if (row_pos[s] <= q_pos[i]) sum += std::exp(double(logits[s] - mx));
-                const float inv = float(1.0 / sum) / float(nq);
-                for (int64_t s : live)
-                    if (row_pos[s] <= q_pos[i]) avg[s] += std::exp(logits[s] - mx) * inv;
+                const float inv = 1.f / sum / float(nq);
+                for (int64_t j = 0; j < nv; ++j) avg[size_t(j)] += pr[j] * inv;
             }
             if (chunk_tokens <= 0 && !groups) {
-                for (int64_t s : live) out[row_pos[s]] = std::max(out[row_pos[s]], avg[s]);
+                for (int64_t j = 0; j < nl; ++j) out[lpos[size_t(j)]] = std::max(out[lpos[size_t(j)]], avg[size_t(j)]);
             } else {  // this head's attention mass per chunk (or group); the max over heads
                 std::fill(csum.begin(), csum.end(), 0.0);
-                for (int64_t s : live) {
-                    const int64_t c = groups ? groups[row_pos[s]] : row_pos[s] / chunk_tokens;
-                    if (c >= 0 && c < n_chunks) csum[size_t(c)] += avg[s];
+                for (int64_t j = 0; j < nl; ++j) {
+                    const int64_t pos = lpos[size_t(j)];
+                    const int64_t c = groups ? groups[pos] : pos / chunk_tokens;
+                    if (c >= 0 && c < n_chunks) csum[size_t(c)] += avg[size_t(j)];
                 }
                 for (int64_t c = 0; c < n_chunks; ++c) out[c] = std::max(out[c], float(csum[c]));
             }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -15,8 +16,13 @@ namespace kvflash {
 // groups (length n_past, values < n or negative): out[g] is the attention mass group g
 // receives per layer and head, max over them (per_chunk is groups = position / chunk).
 void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk,
-                                const int32_t *groups) const {
+                                const int32_t *groups, int32_t q_first, int32_t q_count) const {
     if (n_captured_ == 0) throw std::invalid_argument("history_attention: no query captured yet");
+    if (q_count < 0) q_count = n_captured_ - q_first;
+    if (q_first < 0 || q_count <= 0 || q_first + q_count > n_captured_)
+        throw std::invalid_argument("history_attention: queries [" + std::to_string(q_first) + ", " +
+                                    std::to_string(q_first + q_count) + ") are not among the " +
+                                    std::to_string(n_captured_) + " captured");
     std::fill(out, out + n, 0.f);
     const Hparams &hp = model_->hparams();
     const Pager &pg = *cache_->pager;
@@ -30,8 +36,8 @@ void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool p
     std::vector<size_t> host_off(L + 1, 0);
     for (int32_t il = 0; il < L; ++il)
         host_off[il + 1] = host_off[il] + size_t(C) * (pool.k(il)->nb[1] + pool.v(il)->nb[1]);
-    std::vector<int64_t> qpos(n_captured_);
-    for (int32_t i = 0; i < n_captured_; ++i) qpos[i] = n_past_ - n_captured_ + i;
+    std::vector<int64_t> qpos(q_count);
+    for (int32_t i = 0; i < q_count; ++i) qpos[i] = n_past_ - n_captured_ + q_first + i;
 
     auto one_layer = [&](int32_t il, float *acc, std::vector<uint8_t> &rows, std::vector<uint8_t> &pool_rows,
                          std::vector<int64_t> &row_pos) {
@@ -54,8 +60,8 @@ void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool p
             std::memcpy(rows.data() + size_t(c) * C * rb, src, size_t(w) * rb);
             for (int32_t i = 0; i < w; ++i) row_pos[size_t(c) * C + i] = int64_t(c) * C + i;
         }
-        const float *q = captured_q_.data() + size_t(il) * n_captured_ * H * D;
-        attention_probs_rows(q, n_captured_, H, hp.n_head_kv, D, k->type, rows.data(), rb, int64_t(n_chunks) * C,
+        const float *q = captured_q_.data() + (size_t(il) * n_captured_ + q_first) * H * D;
+        attention_probs_rows(q, q_count, H, hp.n_head_kv, D, k->type, rows.data(), rb, int64_t(n_chunks) * C,
                              row_pos.data(), qpos.data(), hp.attn_scale, acc, n_pos, per_chunk ? C : 0, groups, n);
     };
 

@@ -77,6 +77,16 @@ def smooth(x: np.ndarray, width: int) -> np.ndarray:
     return np.convolve(x.astype(np.float64), k, mode="same").astype(np.float32)
 
 
+def spread_max(x: np.ndarray, reach: int) -> np.ndarray:
+    """Each entry becomes the max of itself and its ``reach`` neighbours on either side (0 = identity)."""
+    if reach <= 0 or x.size == 0:
+        return x
+    pad = np.full(x.size + 2 * reach, -np.inf, dtype=np.float64)
+    pad[reach: reach + x.size] = x
+    win = np.lib.stride_tricks.sliding_window_view(pad, 2 * reach + 1)
+    return win.max(axis=1).astype(x.dtype, copy=False)
+
+
 def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> np.ndarray:
     n = min(tok_scores.size, n_chunks * chunk_tokens)
     padded = np.zeros(n_chunks * chunk_tokens, dtype=np.float64)
@@ -112,10 +122,17 @@ class DrafterPolicy:
     (rounded up) but at least 8 (or all, when it has fewer), and always through
     its first full-attention layer (the sliding-window layers score nothing).
 
-    ``contrast=N`` (off by default) subtracts, per history token, the attention
-    paid by the queries that ended N drafter tokens earlier from the tail's: what
-    any query attends to (sinks, salient words) cancels, what the tail itself asks
-    for stays.  It costs one more pass over the history per rescore.
+    ``contrast=N`` (default 32; 0 turns it off) subtracts, per history token, the
+    attention paid by the queries that ended N drafter tokens earlier from the
+    tail's: what any query attends to (sinks, generally salient words) cancels,
+    what the tail itself asks for stays.  It costs one more pass over the history
+    per rescore.  ``spread=R`` (default 4; 0 turns it off) gives each token the
+    peak score of the R tokens on either side of it before the per-chunk
+    aggregation: a fact is read from the words around the one the queries look at
+    ("... the passkey is" attends to "passkey", the answer is the digits after
+    it), and that span may cross a chunk edge.  On the bench's 8K needles (Gemma-3
+    target, SmolLM2 drafter, 6 free slots) the defaults keep the passkey chunk in
+    16/16 trials; without contrast and spread (8 queries) in 9/16.
 
     ``pool`` pages the drafter's own cache the way the target's is paged: every
     key and value of the history is kept (bit-exact, the cold chunks in host
@@ -128,9 +145,9 @@ class DrafterPolicy:
 
     name = "drafter"
 
-    def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 8, smooth_width: int = 5,
+    def __init__(self, path, *, threads: Optional[int] = None, n_queries: int = 16, smooth_width: int = 5,
                  kv_type: str = "q8_0", layers: Optional[int] = None, pool: Optional[int] = 1024,
-                 aggregate: str = "max", contrast: int = 0):
+                 aggregate: str = "max", contrast: Optional[int] = None, spread: Optional[int] = None):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise ValueError(f"drafter {self.path} does not exist")
@@ -149,11 +166,15 @@ class DrafterPolicy:
         self.aggregate = aggregate
         if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 4096:
             raise ValueError(f"drafter n_queries must be an integer in [1, 4096], got {n_queries!r}")
-        if not isinstance(contrast, int) or isinstance(contrast, bool) or contrast < 0:
-            raise ValueError(f"drafter contrast must be a non-negative token count (0: off), got {contrast!r}")
-        if contrast and aggregate == "mass":
-            raise ValueError("drafter contrast subtracts token scores: use aggregate='max' or 'mean' with it")
-        self.contrast = contrast
+        # contrast and spread work on token scores; aggregate="mass" sums heads' chunk masses natively
+        token_level = aggregate != "mass"
+        for what, v in (("contrast", contrast), ("spread", spread)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"drafter {what} must be a non-negative token count (0: off), got {v!r}")
+            if v and not token_level:
+                raise ValueError(f"drafter {what} works on token scores: use aggregate='max' or 'mean' with it")
+        self.contrast = (32 if token_level else 0) if contrast is None else contrast
+        self.spread = (4 if token_level else 0) if spread is None else spread
         self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
         self._model = None
         self._rt = None
@@ -204,8 +225,10 @@ class DrafterPolicy:
         pool = 0
         if self.pool is not None and self.pool < max_ctx:
             pool = max(self.pool, _core.min_pool_tokens())
+        # the tail's queries and, with contrast, the baseline's (the n_queries ending `contrast` tokens
+        # earlier): one feed captures both, so every token is evaluated once however often it rescores
         self._rt = _core.Runtime(self._model, max_ctx=max_ctx, pool_tokens=pool, kv_type=self.kv_type,
-                                 capture_queries=self.n_queries, eval_layers=self.eval_layers)
+                                 capture_queries=self._n_capture, eval_layers=self.eval_layers)
         self._threads = self.threads or session.threads
 
     def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -215,12 +238,20 @@ class DrafterPolicy:
         ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
         return b"".join(pieces), ends
 
+    @property
+    def _n_capture(self) -> int:
+        return self.n_queries + self.contrast
+
     def _feed(self, ids: list[int]) -> None:
+        """Evaluate what the drafter has not seen of ``ids`` (a shorter or changed history is truncated
+        first, then at least the tail whose queries are captured is evaluated again)."""
         common = 0
         for a, b in zip(self._fed, ids):
             if a != b:
                 break
             common += 1
+        if len(ids) - common < self._n_capture and common < len(self._fed):
+            common = max(0, len(ids) - self._n_capture)   # re-evaluate the tail to capture its queries
         if common < len(self._fed):
             try:
                 self._rt.truncate(common)
@@ -234,9 +265,14 @@ class DrafterPolicy:
             self._fed.extend(new)
             self.fed_tokens_total += len(new)
 
-    def _token_scores(self) -> np.ndarray:
-        """Per drafter position: attention the captured queries pay it (every key of the history)."""
-        return self._rt.history_attention(n_threads=self._threads)
+    def _token_scores(self, first: int = -1) -> np.ndarray:
+        """Per drafter position: attention the tail's queries pay it (every key of the history);
+        ``first``: the n_queries captured from that one on instead (0: the contrast baseline)."""
+        n_cap = self._rt.n_captured
+        if first < 0:
+            first = max(0, n_cap - self.n_queries)
+        return self._rt.history_attention(n_threads=self._threads, q_first=first,
+                                          q_count=min(self.n_queries, n_cap - first))
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
         s = view.session
@@ -260,14 +296,15 @@ class DrafterPolicy:
 
     def _chunk_scores(self, ids: list, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
         """Feed the drafter up to ``ids`` and score the target's chunks (``chunk_of``: per drafter token)."""
-        base = None
-        if self.contrast and len(ids) > self.contrast + self.n_queries:
-            self._feed(ids[: len(ids) - self.contrast])
-            base = self._token_scores().astype(np.float64)
         self._feed(ids)
+        base = None
+        if self.contrast and self._rt.n_captured == self._n_capture:
+            base = self._token_scores(0).astype(np.float64)   # queries ending `contrast` tokens before the end
         if self.aggregate == "mass":  # each head's attention mass per chunk, max over heads and layers
             out = np.zeros(n_chunks, dtype=np.float32)
-            got = self._rt.history_attention(n_threads=self._threads, groups=chunk_of.astype(np.int32))
+            n_cap = self._rt.n_captured
+            got = self._rt.history_attention(n_threads=self._threads, groups=chunk_of.astype(np.int32),
+                                             q_first=max(0, n_cap - self.n_queries))
             out[: len(got)] = got[:n_chunks]
             return out
         x = self._token_scores().astype(np.float64)
@@ -278,7 +315,7 @@ class DrafterPolicy:
     def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
         """Token scores to chunk scores: the peak per chunk, or the smoothed mean."""
         n = min(len(tok_scores), len(chunk_of))
-        x, idx = tok_scores[:n].astype(np.float64), chunk_of[:n]
+        x, idx = spread_max(tok_scores[:n].astype(np.float64), self.spread), chunk_of[:n]
         if self.aggregate == "max":
             out = np.zeros(n_chunks, dtype=np.float64)
             np.maximum.at(out, idx, x)

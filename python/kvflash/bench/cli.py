@@ -105,9 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-pool", type=int, default=None,
                    help="the drafter's own resident pool in tokens, 0 for a full cache (default: the policy's, 1024)")
     p.add_argument("--drafter-queries", type=int, default=None,
-                   help="tail tokens whose queries score the history (default: the policy's, 8)")
+                   help="tail tokens whose queries score the history (default: the policy's, 16)")
     p.add_argument("--drafter-contrast", type=int, default=None,
-                   help="subtract the scores of the queries N drafter tokens earlier (default 0: off)")
+                   help="subtract the scores of the queries N drafter tokens earlier (default: the policy's, 32; "
+                        "0: off)")
+    p.add_argument("--drafter-spread", type=int, default=None,
+                   help="give each drafter token the peak score of the N tokens either side before the chunk "
+                        "aggregation (default: the policy's, 4; 0: off)")
     p.add_argument("--tau", type=int, default=64, help="decoded tokens between rescores (default 64)")
     p.add_argument("--repeats", "-r", type=int, help="repeats per measurement (medians with min/max)")
     p.add_argument("--contexts", "-c", type=_int_list, help="context lengths, comma list (1024 or 1K)")
@@ -143,6 +147,7 @@ def config_for(args, routine: str) -> BenchConfig:
     cfg.drafter_pool = args.drafter_pool
     cfg.drafter_queries = args.drafter_queries
     cfg.drafter_contrast = args.drafter_contrast
+    cfg.drafter_spread = args.drafter_spread
     cfg.tau = args.tau
     cfg.seed = args.seed
     for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
@@ -219,7 +224,7 @@ def main(argv: Optional[list] = None) -> int:
               "routines": {c.routine: {k: v for k, v in dataclasses.asdict(c).items() if k != "quiet"} for c in cfgs}}
     first = dataclasses.asdict(cfgs[0])
     for k in ("model", "threads", "kv_type", "policy", "drafter", "drafter_layers", "drafter_pool", "drafter_queries",
-              "drafter_contrast", "tau", "seed"):
+              "drafter_contrast", "drafter_spread", "tau", "seed"):
         config[k] = first[k]
     sys.stdout.write(report.render(args.output, results, config, machine))
     sys.stdout.flush()

@@ -32,8 +32,9 @@ class BenchConfig:
     drafter: Optional[str] = None
     drafter_layers: Optional[int] = None   # None: the policy's default
     drafter_pool: Optional[int] = None     # None: the policy's default; 0: a full cache
-    drafter_queries: Optional[int] = None  # None: the policy's default (8)
-    drafter_contrast: Optional[int] = None  # None: the policy's default (0: off)
+    drafter_queries: Optional[int] = None  # None: the policy's default (16)
+    drafter_contrast: Optional[int] = None  # None: the policy's default (32; 0: off)
+    drafter_spread: Optional[int] = None    # None: the policy's default (4; 0: off)
     tau: int = 64
     repeats: int = 2
     contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
@@ -254,7 +255,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),
-                     ("n_queries", cfg.drafter_queries), ("contrast", cfg.drafter_contrast))
+                     ("n_queries", cfg.drafter_queries), ("contrast", cfg.drafter_contrast),
+                     ("spread", cfg.drafter_spread))
             opts = {k: v for k, v in pairs if v is not None}
             if opts:
                 from kvflash.scoring import DrafterPolicy

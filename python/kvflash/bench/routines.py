@@ -583,6 +583,7 @@ def run_rescore(cfg: BenchConfig) -> Result:
     ctxs = sorted(set(cfg.contexts))
     pool = cfg.pools[0]
     pols = [p for p in cfg.policies if p != "lru"] or ["qk"]
+    notes: set = set()
     res = Result("rescore", f"rescore cost per decoded token (pool {pool}, {cfg.repeats} rescores per cell)",
                  BASE_COLS + [("context", "context"), ("policy", "policy"), ("period", "rescore every"),
                               ("decode_ms", "decode ms/token"), ("rescore_ms", "rescore ms"),
@@ -628,7 +629,9 @@ def run_rescore(cfg: BenchConfig) -> Result:
                     pol_obj = s.policy
                     # same drafter and layers, a full cache, a fresh start: the whole history read again
                     ref = DrafterPolicy(pol_obj.path, threads=pol_obj.threads, n_queries=pol_obj.n_queries,
-                                        kv_type=pol_obj.kv_type, layers=pol_obj.layers_used, pool=None)
+                                        kv_type=pol_obj.kv_type, layers=pol_obj.layers_used, pool=None,
+                                        aggregate=pol_obj.aggregate, contrast=pol_obj.contrast,
+                                        spread=pol_obj.spread)
                     ref.load(s)
                     view = s.chunk_view()
                     t1 = time.perf_counter()
@@ -638,17 +641,23 @@ def run_rescore(cfg: BenchConfig) -> Result:
                     row["reread_ms"] = reread
                     row["reread_share"] = f"{100 * reread / period / decode_ms:.0f}%"
                     raw["reread_ms"] = reread
+                q = getattr(s.policy, "n_queries", None)
+                if s.policy.name == "drafter":
+                    extra = f", minus the scores of the queries {s.policy.contrast} tokens earlier" \
+                        if getattr(s.policy, "contrast", 0) else ""
+                    notes.add(f"drafter: fed only the tokens added since its last rescore (each token once) through "
+                              f"its own paged cache, then its last {q} queries attend over every key of its "
+                              f"history{extra}; full re-read = a fresh full-cache drafter (same layers) reads the "
+                              f"whole history and scores, the reference's way, amortised over the same period")
+                elif q is not None:
+                    notes.add(f"{s.policy.name}: the target's last {q} queries attend over every key of the "
+                              f"history (pool + host store)")
                 res.raw.append(raw)
                 res.rows.append(row)
                 pb.advance(1, note=f"{ctx_label(D)} {pol}: {row['share']}")
                 del s
     res.notes += ["decode ms/token excludes rescores; rescore ms/token = all rescore time / tokens decoded; "
-                  "a scored policy rescores every max(tau, history/45) decoded tokens",
-                  "drafter: fed only the tokens added since its last rescore (each token once) through its own "
-                  "paged cache, then its last 8 queries attend over every key of its history; full re-read = a "
-                  "fresh full-cache drafter (same layers) reads the whole history and scores, the reference's "
-                  "way, amortised over the same period",
-                  "qk: the target's last 8 queries attend over every key of the history (pool + host store)"]
+                  "a scored policy rescores every max(tau, history/45) decoded tokens"] + sorted(notes)
     return res
 
 
