@@ -6,13 +6,11 @@ a prompt outgrows the pool, and this prints the rank of the chunk holding the pa
 the policy chooses from (not the sink, not the tail window).  Rank < free slots means the chunk is kept.
 No target forward pass runs, so one variant costs one drafter feed (~15 s at 8K on 2 cores).
 
-Besides DrafterPolicy keyword variants, `--contrast N` adds the first variant with `contrast=N`: the
-drafter's token scores from the queries N tokens before the end (the text before the question) are
-subtracted from the tail's, which removes attention that any query pays (sinks, salient words),
-keeping what the question itself asks for.
+Each variant is a dict of DrafterPolicy keywords: `{}` is the policy's defaults (16 queries, contrast 32,
+spread 4); `{"n_queries": 8, "contrast": 0, "spread": 0}` is the reference's plain scoring.
 
     python bench/drafter_rank.py --model gemma3-270m --drafter smollm2-135m --context 8192 --pool 768 \
-        --trials 2,3,10 --variants '[{}, {"n_queries": 16}, {"aggregate": "mass"}]' --contrast 32
+        --trials 2,3,10 --variants '[{}, {"n_queries": 8, "contrast": 0, "spread": 0}, {"spread": 0}]'
 """
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ def main() -> None:
     ap.add_argument("--depths", default="10,50,90")
     ap.add_argument("--answer-tokens", type=int, default=12, help="as the needle routine reserves (default 12)")
     ap.add_argument("--variants", default="[{}]", help="JSON list of DrafterPolicy keyword dicts")
-    ap.add_argument("--contrast", type=int, default=0, help="also run the first variant with contrast=N")
     ap.add_argument("--sink", type=int, default=1, help="sink chunks (the session's default 1)")
     ap.add_argument("--tail", type=int, default=4, help="tail window chunks (the session's default 4)")
     ap.add_argument("--threads", type=int, default=2)
@@ -75,10 +72,6 @@ def main() -> None:
         free = view.pool_chunks - int(view.protected.sum())
         ranks = []
         for v in variants:
-            p = DrafterPolicy(drafter, threads=a.threads, **v)
-            ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
-        if a.contrast > 0:   # the first variant with contrast=N (DrafterPolicy's contrastive scoring)
-            v = {**(variants[0] if variants else {}), "contrast": a.contrast}
             p = DrafterPolicy(drafter, threads=a.threads, **v)
             ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
         print(f"trial {i} depth {t.depth}% passkey chunk {chunk}/{view.n_chunks} free {free}: " +
