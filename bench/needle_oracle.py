@@ -43,9 +43,8 @@ def main() -> None:
                         verbose=False, seed=1234)
     tr = NeedleBuilder(s, 1234).trial(a.trial, a.context - 13, [10, 50, 90])
     ids = tr.ids
-    pieces = [s.tokenizer.token_bytes(int(t), True) for t in ids]
-    ends = np.cumsum([len(p) for p in pieces])
-    at = int(np.searchsorted(ends, b"".join(pieces).find(tr.value.encode()), side="right"))
+    data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
+    at = int(np.searchsorted(ends, data.find(tr.value.encode()), side="right"))
     print(f"trial {a.trial}: depth {tr.depth}%, {len(ids)} tokens, passkey {tr.value} at token {at} "
           f"(chunk {at // 64})")
     s.prefill(ids)

@@ -11,6 +11,7 @@ common_tokenize(text, add_special=false, parse_special=false); so do we.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -224,6 +225,21 @@ def test_stream_decode_equals_full_decode(name):
         assert "".join(pieces) == t.decode(ids, skip_special=skip)
         assert "".join(t.decode_stream(ids, skip_special=skip)) == t.decode(ids, skip_special=skip)
     assert t.decode(ids, skip_special=True) == UNICODE_TEXT
+
+
+@needs_vocab
+@pytest.mark.parametrize("name", ["llama-spm", "gpt-2"])
+def test_bytes_of_matches_token_bytes(name):
+    t = get_tok(name)
+    ids = t.encode(UNICODE_TEXT, add_special=True)
+    for skip in (False, True):
+        data, ends = t.bytes_of(ids, skip_special=skip)
+        pieces = [t.token_bytes(i, skip) for i in ids]
+        assert data == b"".join(pieces)
+        assert ends.tolist() == list(itertools.accumulate(len(p) for p in pieces))
+    assert t.bytes_of([])[0] == b"" and len(t.bytes_of([])[1]) == 0
+    with pytest.raises(IndexError, match="out of range"):
+        t.bytes_of([0, t.n_vocab])
 
 
 @needs_vocab

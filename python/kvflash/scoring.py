@@ -233,10 +233,7 @@ class DrafterPolicy:
 
     def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
         """History as bytes plus each target token's end offset."""
-        tb = session.tokenizer.token_bytes
-        pieces = [tb(int(t), True) for t in tokens]
-        ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
-        return b"".join(pieces), ends
+        return session.tokenizer.bytes_of(tokens, skip_special=True)
 
     @property
     def _n_capture(self) -> int:
@@ -286,9 +283,8 @@ class DrafterPolicy:
         text_bytes, t_ends = self._target_bytes(s, tokens)
         text = text_bytes.decode("utf-8", errors="replace")
         d_ids = self._tok.encode(text, add_special=True, parse_special=False)
-        d_len = np.array([len(self._tok.token_bytes(int(t), True)) for t in d_ids], dtype=np.int64)
-        d_ends = np.cumsum(d_len)
-        d_starts = d_ends - d_len
+        _, d_ends = self._tok.bytes_of(d_ids, skip_special=True)
+        d_starts = np.concatenate(([0], d_ends[:-1])) if len(d_ends) else d_ends
         # each drafter token lands in the target chunk that holds its first byte
         t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
         chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)

@@ -622,6 +622,21 @@ class Tokenizer:
             return b""
         return self._pieces[id]
 
+    def bytes_of(self, ids, skip_special: bool = False) -> tuple[bytes, np.ndarray]:
+        """The bytes of a token sequence and each token's end offset in them (one lookup table
+        per ``skip_special``, built on first use: the cross-tokenizer bridge maps every rescore)."""
+        key = bool(skip_special)
+        tabs = self.__dict__.setdefault("_bytes_tables", {})
+        if key not in tabs:
+            pieces = [b"" if key and self._special[i] else self._pieces[i] for i in range(self.n_vocab)]
+            tabs[key] = (pieces, np.fromiter((len(x) for x in pieces), dtype=np.int64, count=self.n_vocab))
+        pieces, lens = tabs[key]
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab):
+            bad = int(ids[(ids < 0) | (ids >= self.n_vocab)][0])
+            raise IndexError(f"token id {bad} out of range [0, {self.n_vocab})")
+        return b"".join([pieces[i] for i in ids.tolist()]), np.cumsum(lens[ids])
+
     def token_piece(self, id: int) -> str:
         """Text of one token as it appears in decoded output (control tokens as
         their text, byte tokens as U+FFFD when not valid UTF-8 on their own)."""

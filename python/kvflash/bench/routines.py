@@ -407,11 +407,10 @@ def _answer(s, ids: list, n: int) -> tuple[str, float]:
 
 def _passkey_chunk(s, ids: list, value: str) -> Optional[int]:
     """The chunk holding the passkey's first byte (None if the digits are not in the prompt)."""
-    pieces = [s.tokenizer.token_bytes(int(t), True) for t in ids]
-    off = b"".join(pieces).find(value.encode())
+    data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
+    off = data.find(value.encode())
     if off < 0:
         return None
-    ends = np.cumsum([len(p) for p in pieces])
     return int(np.searchsorted(ends, off, side="right")) // s.chunk_tokens
 
 
