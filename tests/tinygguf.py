@@ -270,7 +270,10 @@ def write_tiny_model(
     w.add_name(f"tiny-{arch}")
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16"
                         else gguf.LlamaFileType.ALL_F32))
-    w.add_context_length(ctx_len)
+    if ctx_len < 2**32:
+        w.add_context_length(ctx_len)
+    else:  # a context_length past 32 bits, as a hostile or mistaken GGUF may declare
+        w.add_uint64(f"{arch}.context_length", ctx_len)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)

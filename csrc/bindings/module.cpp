@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "ggml-cpu.h"
+#include "kvflash/limits.h"
 #include "kvflash/model.h"
 #include "kvflash/pool.h"
 #include "kvflash/sampling.h"
@@ -160,6 +161,9 @@ PYBIND11_MODULE(_core, m) {
     m.def("build_info", &build_info,
           "Dict: cuda (compiled in), cuda_devices, ggml_version, ggml_commit, devices (ggml's registered devices "
           "with memory), cpu_features (ggml-cpu's instruction sets).");
+    m.attr("MAX_CONTEXT") = kMaxContext;
+    m.def("check_max_ctx", [](int64_t max_ctx) { check_max_ctx(max_ctx); }, py::arg("max_ctx"),
+          "ValueError unless 1 <= max_ctx <= MAX_CONTEXT, the largest context the core addresses.");
     m.def("min_pool_tokens", [](int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks) {
         PagerConfig c; c.chunk_tokens = chunk_tokens; c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks;
         return c.min_pool_tokens();
@@ -205,19 +209,14 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
         .def_property_readonly("stats", [](PagerRef &s) { return stats_dict(s.pg(), s.pool->bytes()); })
         .def("alloc_span", [](PagerRef &s, int64_t pos0, int64_t n) -> py::object {
                  if (n <= 0) throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
-                 if (pos0 < 0) throw std::out_of_range("pos0 must be >= 0, got " + std::to_string(pos0));
-                 if (pos0 >= s.pg().config().max_ctx || n > s.pg().config().max_ctx - pos0)
-                     throw std::out_of_range("positions [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) +
-                                             ") go beyond max_ctx=" + std::to_string(s.pg().config().max_ctx));
+                 check_span(pos0, n, s.pg().config().max_ctx, "alloc_span");
                  py::array_t<int32_t> out(n);
                  if (s.pg().alloc_span(pos0, int32_t(n), out.mutable_data()) == AllocResult::NO_ROOM) return py::none();
                  return out;
              }, py::arg("pos0"), py::arg("n"),
              "Slots for positions [pos0, pos0+n) (int32 array), evicting/recalling as needed; None if no room.")
         .def("slot_for", [](PagerRef &s, int64_t pos) -> py::object {
-                 if (pos < 0 || pos >= s.pg().config().max_ctx)
-                     throw std::out_of_range("pos " + std::to_string(pos) + " outside [0, max_ctx=" +
-                                             std::to_string(s.pg().config().max_ctx) + ")");
+                 check_span(pos, 1, s.pg().config().max_ctx, "slot_for");
                  int32_t slot = -1;
                  if (s.pg().alloc_span(pos, 1, &slot) == AllocResult::NO_ROOM) return py::none();
                  return py::int_(slot);
@@ -364,7 +363,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
                  if (!model) throw std::invalid_argument("model is required");
-                 if (max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0, got " + std::to_string(max_ctx));
+                 check_max_ctx(max_ctx);
                  if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
                  if (ubatch <= 0) throw std::invalid_argument("ubatch must be >= 1");
                  RuntimeConfig c;
@@ -431,12 +430,10 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  auto t = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
                  if (!t || t.ndim() != 1 || t.shape(0) == 0)
                      throw std::invalid_argument("tokens must be a non-empty 1-D array of token ids");
-                 if (!(temperature >= 0.f)) throw std::invalid_argument("temperature must be >= 0");
-                 if (!(top_p > 0.f && top_p <= 1.f)) throw std::invalid_argument("top_p must be in (0, 1]");
-                 if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1)");
                  const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
-                 r.logits.resize(V);
                  SamplerParams sp{temperature, top_k, top_p, min_p};
+                 sp.validate();
+                 r.logits.resize(V);
                  const int32_t *tp = t.data();
                  int32_t tok;
                  {
@@ -452,10 +449,9 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  const int32_t V = r.model->hparams().n_vocab;
                  if (!l || l.ndim() != 1 || l.shape(0) != V)
                      throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
-                 if (!(temperature >= 0.f)) throw std::invalid_argument("temperature must be >= 0");
-                 if (!(top_p > 0.f && top_p <= 1.f)) throw std::invalid_argument("top_p must be in (0, 1]");
-                 if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1)");
-                 return r.sampler.sample(l.data(), V, SamplerParams{temperature, top_k, top_p, min_p});
+                 const SamplerParams sp{temperature, top_k, top_p, min_p};
+                 sp.validate();
+                 return r.sampler.sample(l.data(), V, sp);
              }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
         .def("last_logits", [](PyRuntime &r) {

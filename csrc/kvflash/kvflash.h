@@ -2,15 +2,35 @@
  *
  * For llama.cpp-style applications written in C or C++.  Handles are opaque;
  * a model (weights) is shared by any number of sessions (per-conversation
- * state).  Functions that can fail return 0 on success and a negative code
- * otherwise; the message is kept in the session (or written to err for the
- * constructors).  Nothing here aborts the process on bad input.
+ * state).  Functions that can fail return KVFLASH_OK (0) or a negative status;
+ * the message is kept in the session (kvflash_last_error) or written to err
+ * for the constructors.  Nothing here aborts the process on bad input, and no
+ * C++ exception crosses this interface.
  *
  *   struct kvflash_params p = kvflash_default_params();
- *   p.max_ctx = 32768; p.pool_tokens = 2048;           // 0 = full cache
+ *   p.max_ctx = 32768; p.pool_tokens = 2048; p.policy = "qk";   // pool 0 = full cache
  *   kvflash_model   *m = kvflash_model_load("model.gguf", 0, err, sizeof err);
  *   kvflash_session *s = kvflash_session_new(m, &p, err, sizeof err);
- *   kvflash_eval(s, prompt, n_prompt, logits);          // logits: n_vocab floats
+ *   struct kvflash_sampling g = kvflash_default_sampling();       // greedy
+ *   int32_t tok;
+ *   kvflash_eval(s, prompt, n_prompt, NULL);                      // the prompt
+ *   kvflash_sample(s, NULL, &g, &tok);                            // first token
+ *   for (int i = 0; i < n; ++i) kvflash_decode(s, tok, &g, &tok); // one token a call
+ *
+ * Threads: not thread-safe.  A model and every session over it share one ggml
+ * backend (its worker threads and scratch buffer), so calls on them must not
+ * overlap: serialize them (one thread, or a lock per model).  Different models
+ * may be used from different threads at once.  kvflash_default_params,
+ * kvflash_default_sampling and kvflash_version are safe from any thread.
+ *
+ * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct
+ * kvflash_params begins with its own size: a program compiled against an older
+ * header passes its smaller struct_size and the library reads only the fields
+ * it has, using defaults for the rest.
+ *
+ * Build: find_package(kvflash CONFIG) and link kvflash::kvflash, with
+ * -Dkvflash_DIR="$(python -m kvflash --cmake-dir)" for a pip-installed kvflash;
+ * or pkg-config (PKG_CONFIG_PATH="$(python -m kvflash --pkgconfig-dir)").
  */
 #ifndef KVFLASH_H
 #define KVFLASH_H
@@ -22,24 +42,43 @@
 extern "C" {
 #endif
 
+#define KVFLASH_API_VERSION 2
+
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
 
 enum kvflash_status {
     KVFLASH_OK = 0,
-    KVFLASH_EINVAL = -1,   /* bad argument (message says which) */
-    KVFLASH_ERANGE = -2,   /* position / token outside the allowed range */
-    KVFLASH_ERUNTIME = -3, /* the backend failed (allocation, compute) */
+    KVFLASH_EINVAL = -1,   /* bad argument (the message says which) */
+    KVFLASH_ERANGE = -2,   /* position / token / chunk outside the allowed range */
+    KVFLASH_ERUNTIME = -3, /* the backend failed (allocation, compute, I/O) */
 };
 
 struct kvflash_params {
-    int64_t max_ctx;            /* logical context in tokens */
+    size_t struct_size;         /* sizeof(struct kvflash_params): set by kvflash_default_params() */
+    int64_t max_ctx;            /* logical context in tokens, 1 .. kvflash_max_context() */
     int32_t pool_tokens;        /* resident pool (>= 512 with the defaults); 0 = full cache */
     const char *kv_type;        /* "q8_0" (default), "f16", "q4_0" */
     int32_t chunk_tokens;       /* paging granularity (64) */
     int32_t sink_chunks;        /* leading chunks never evicted (1) */
     int32_t tail_window_chunks; /* chunks before the append head never evicted (4) */
     int32_t ubatch;             /* prefill ubatch while the prompt fits the pool (512) */
+    /* -- since API version 2 -- */
+    const char *policy;         /* "lru" (default: recency) or "qk" (the model's own queries score chunks) */
+    int32_t tau;                /* qk: rescore every max(tau, n_past / 45) decoded tokens (64) */
+    int32_t qk_queries;         /* qk: how many of the latest queries score a rescore (8) */
+    int32_t reeval_tokens;      /* qk: prompt tokens re-read after a prompt rescore moved chunks (64) */
+    uint64_t seed;              /* sampler seed (0) */
+};
+
+/* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise
+ * top_k (<= 0: all), then top_p (nucleus mass in (0, 1]), min_p (drop tokens
+ * below min_p * p(max), in [0, 1)), drawn with the session's seeded generator. */
+struct kvflash_sampling {
+    float temperature;
+    int32_t top_k;
+    float top_p;
+    float min_p;
 };
 
 struct kvflash_stats {
@@ -48,31 +87,73 @@ struct kvflash_stats {
     int32_t resident_chunks, host_chunks;
     uint64_t resident_bytes; /* device KV bytes (the pool, plus sliding-window rings) */
     uint64_t host_bytes;     /* KV bytes paged out to the host store */
+    int32_t pool_tokens;     /* the pool's size in tokens (max_ctx rounded up for the full cache) */
+    int32_t n_chunks;        /* chunks materialised: ceil(n_past / chunk_tokens) */
+    int64_t rescores;        /* policy rescores run (qk), over the session's life */
 };
 
-struct kvflash_params kvflash_default_params(void);
+/* Per-chunk state bits (kvflash_chunk_flags). */
+enum kvflash_chunk_flag {
+    KVFLASH_CHUNK_RESIDENT = 1,  /* holds a pool block: attention sees it */
+    KVFLASH_CHUNK_ON_HOST = 2,   /* a copy is in the host store (the only one when not resident) */
+    KVFLASH_CHUNK_PROTECTED = 4, /* sink or tail window: never evicted */
+};
 
-/* n_threads <= 0: all cores.  Returns NULL on failure with the reason in err. */
+/* "0.1.0" etc.; and the largest max_ctx the library addresses. */
+const char *kvflash_version(void);
+int64_t kvflash_max_context(void);
+
+struct kvflash_params kvflash_default_params(void);
+struct kvflash_sampling kvflash_default_sampling(void);
+
+/* n_threads <= 0: the machine's cores.  Returns NULL on failure with the reason in err;
+ * nothing is left allocated then. */
 kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err, size_t err_len);
 void kvflash_model_free(kvflash_model *model);
 int32_t kvflash_model_n_vocab(const kvflash_model *model);
 int64_t kvflash_model_n_ctx_train(const kvflash_model *model);
 
-/* The session keeps the model alive until both are freed. */
+/* The session keeps the model alive until both are freed (free them in any order).
+ * Returns NULL on failure with the reason in err (a bad field of params, a pool
+ * below the minimum, a max_ctx above kvflash_max_context(), no memory). */
 kvflash_session *kvflash_session_new(kvflash_model *model, const struct kvflash_params *params, char *err,
                                      size_t err_len);
 void kvflash_session_free(kvflash_session *session);
 
-/* Append n tokens at position n_past; logits (n_vocab floats, last token) may be NULL. */
+/* Append n tokens (a prompt) at position n_past.  With policy "qk", once the
+ * context has outgrown the pool the policy picks the residents against the
+ * prompt's tail and the last reeval_tokens tokens are read again, so the next
+ * token already attends to the chosen chunks.  logits (n_vocab floats, after the
+ * last token) may be NULL; the session keeps them either way. */
 int kvflash_eval(kvflash_session *session, const int32_t *tokens, int32_t n, float *logits);
+/* One generation step: append token, let the policy rescore on its schedule, and
+ * sample the next token into *next with sp (NULL: greedy). */
+int kvflash_decode(kvflash_session *session, int32_t token, const struct kvflash_sampling *sp, int32_t *next);
+/* Sample from logits (n_vocab floats; NULL: the session's last logits) into *token. */
+int kvflash_sample(kvflash_session *session, const float *logits, const struct kvflash_sampling *sp, int32_t *token);
+int kvflash_set_seed(kvflash_session *session, uint64_t seed);
+/* The last logits (n_vocab floats), or NULL before any eval.  Valid until the next call on the session. */
+const float *kvflash_get_logits(const kvflash_session *session);
+
 int64_t kvflash_n_past(const kvflash_session *session);
 /* Forget positions >= n_past. */
 int kvflash_truncate(kvflash_session *session, int64_t n_past);
-void kvflash_reset(kvflash_session *session);
-/* Repage the pool to the chunks with the highest scores (one per chunk, n <= chunks). */
+/* Back to an empty context; policy state (scores, the rescore schedule) included. */
+int kvflash_reset(kvflash_session *session);
+
+/* Run the session's policy now and repage the pool (qk); *moved (may be NULL) gets
+ * the chunks paged in or out.  With "lru" nothing is scored and *moved is 0. */
+int kvflash_rescore(kvflash_session *session, int32_t *moved);
+/* Bring your own scores: repage the pool to the chunks with the highest scores
+ * (n scores, one per chunk, n <= kvflash_n_chunks(); no NaN). */
 int kvflash_reselect(kvflash_session *session, const float *scores, int32_t n);
+/* Chunks materialised so far: ceil(n_past / chunk_tokens). */
+int32_t kvflash_n_chunks(const kvflash_session *session);
+/* flags[c] for chunks 0 .. n-1 (n <= kvflash_n_chunks()): KVFLASH_CHUNK_* bits. */
+int kvflash_chunk_flags(const kvflash_session *session, uint8_t *flags, int32_t n);
+
 struct kvflash_stats kvflash_get_stats(const kvflash_session *session);
-/* The last error message of this session ("" if none). */
+/* The last error message of this session ("" if none).  Valid until the next call on it. */
 const char *kvflash_last_error(const kvflash_session *session);
 
 #ifdef __cplusplus

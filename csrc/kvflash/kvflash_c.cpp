@@ -1,32 +1,70 @@
 #include "kvflash/kvflash.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "kvflash/limits.h"
 #include "kvflash/model.h"
+#include "kvflash/sampling.h"
+
+#ifndef KVFLASH_VERSION_STRING
+#define KVFLASH_VERSION_STRING "unknown"
+#endif
 
 struct kvflash_model {
     std::shared_ptr<kvflash::Model> m;
 };
 
+// A session: the runtime plus what kvflash.Session does around it for the qk policy
+// (the same schedule, so the C and Python paths give the same tokens).
 struct kvflash_session {
     std::shared_ptr<kvflash::Model> m;
     std::unique_ptr<kvflash::Runtime> rt;
-    std::string err;
+    kvflash::Sampler sampler;
+    bool qk = false;
+    int32_t tau = 64, reeval_tokens = 64;
+    int64_t since_rescore = 0, rescores = 0;
+    std::vector<float> logits;   // after the last evaluated token (empty before any eval)
+    std::vector<float> scores;
+    mutable std::string err;
+
+    int32_t n_chunks() const {
+        const int64_t C = rt->config().chunk_tokens;
+        return int32_t((rt->n_past() + C - 1) / C);
+    }
+    bool scored() const { return qk && !rt->full_cache(); }
+    int32_t rescore() {
+        const int32_t n = n_chunks();
+        if (!scored() || n == 0) return 0;
+        scores.resize(size_t(n));
+        rt->history_attention(scores.data(), n, m->n_threads(), /*per_chunk=*/true);
+        ++rescores;
+        return rt->pager().reselect(scores.data(), n);
+    }
+    void eval_into_logits(const int32_t *tokens, int32_t n) {
+        logits.resize(size_t(m->hparams().n_vocab));
+        rt->eval(tokens, n, false, logits.data());
+    }
 };
 
-static void put_err(char *err, size_t len, const char *msg) {
+namespace {
+
+void put_err(char *err, size_t len, const char *msg) {
     if (err && len) {
         std::strncpy(err, msg, len - 1);
         err[len - 1] = '\0';
     }
 }
 
-// Runs f, turning exceptions into status codes and the session's message.
-template <class F> static int guarded(kvflash_session *s, F f) {
+// Runs f, turning every exception into a status code and the session's message.
+template <class S, class F> int guarded(S *s, F f) {
     if (!s) return KVFLASH_EINVAL;
     try {
         f();
@@ -41,13 +79,44 @@ template <class F> static int guarded(kvflash_session *s, F f) {
     } catch (const std::exception &e) {
         s->err = e.what();
         return KVFLASH_ERUNTIME;
+    } catch (...) {
+        s->err = "unknown error";
+        return KVFLASH_ERUNTIME;
     }
 }
 
+kvflash::SamplerParams sampler_params(const kvflash_sampling *sp) {
+    const kvflash_sampling d = kvflash_default_sampling();
+    if (!sp) sp = &d;
+    kvflash::SamplerParams p{sp->temperature, sp->top_k, sp->top_p, sp->min_p};
+    p.validate();
+    return p;
+}
+
+// The caller's params over the defaults: only the fields its struct_size covers.
+kvflash_params read_params(const kvflash_params *in) {
+    kvflash_params p = kvflash_default_params();
+    const size_t v1 = offsetof(kvflash_params, ubatch) + sizeof(int32_t);
+    if (in->struct_size < v1 || in->struct_size > (size_t(1) << 16))
+        throw std::invalid_argument("params.struct_size is " + std::to_string(in->struct_size) +
+                                    ": start from kvflash_default_params(), which sets it");
+    std::memcpy(&p, in, std::min(in->struct_size, sizeof p));
+    p.struct_size = sizeof p;
+    return p;
+}
+
+}  // namespace
+
 extern "C" {
+
+const char *kvflash_version(void) { return KVFLASH_VERSION_STRING; }
+
+int64_t kvflash_max_context(void) { return kvflash::kMaxContext; }
 
 kvflash_params kvflash_default_params(void) {
     kvflash_params p;
+    std::memset(&p, 0, sizeof p);
+    p.struct_size = sizeof p;
     p.max_ctx = 4096;
     p.pool_tokens = 0;
     p.kv_type = "q8_0";
@@ -55,7 +124,21 @@ kvflash_params kvflash_default_params(void) {
     p.sink_chunks = 1;
     p.tail_window_chunks = 4;
     p.ubatch = 512;
+    p.policy = "lru";
+    p.tau = 64;
+    p.qk_queries = 8;
+    p.reeval_tokens = 64;
+    p.seed = 0;
     return p;
+}
+
+kvflash_sampling kvflash_default_sampling(void) {
+    kvflash_sampling s;
+    s.temperature = 0.f;
+    s.top_k = 0;
+    s.top_p = 1.f;
+    s.min_p = 0.f;
+    return s;
 }
 
 kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err, size_t err_len) {
@@ -64,13 +147,15 @@ kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err
         return nullptr;
     }
     try {
-        auto *h = new kvflash_model;
+        auto h = std::make_unique<kvflash_model>();
         h->m = kvflash::Model::load(path, n_threads);
-        return h;
+        return h.release();
     } catch (const std::exception &e) {
         put_err(err, err_len, e.what());
-        return nullptr;
+    } catch (...) {
+        put_err(err, err_len, "unknown error while loading the model");
     }
+    return nullptr;
 }
 
 void kvflash_model_free(kvflash_model *model) { delete model; }
@@ -85,27 +170,40 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         return nullptr;
     }
     try {
+        const kvflash_params p = read_params(params);
+        kvflash::check_max_ctx(p.max_ctx);
+        const std::string policy = p.policy ? p.policy : "lru";
+        if (policy != "lru" && policy != "qk")
+            throw std::invalid_argument("params.policy must be \"lru\" or \"qk\", got \"" + policy + "\"");
+        if (p.tau < 1) throw std::invalid_argument("params.tau must be >= 1, got " + std::to_string(p.tau));
+        if (p.qk_queries < 1 || p.qk_queries > 256)
+            throw std::invalid_argument("params.qk_queries must be in [1, 256], got " + std::to_string(p.qk_queries));
+        if (p.reeval_tokens < 1)
+            throw std::invalid_argument("params.reeval_tokens must be >= 1, got " + std::to_string(p.reeval_tokens));
+        if (p.pool_tokens < 0) throw std::invalid_argument("params.pool_tokens must be >= 0 (0: full cache)");
         kvflash::RuntimeConfig c;
-        c.max_ctx = params->max_ctx;
-        c.pool_tokens = params->pool_tokens;
-        c.kv_type = params->kv_type ? params->kv_type : "q8_0";
-        c.chunk_tokens = params->chunk_tokens;
-        c.sink_chunks = params->sink_chunks;
-        c.tail_window_chunks = params->tail_window_chunks;
-        c.ubatch = params->ubatch;
-        auto *s = new kvflash_session;
+        c.max_ctx = p.max_ctx;
+        c.pool_tokens = p.pool_tokens;
+        c.kv_type = p.kv_type ? p.kv_type : "q8_0";
+        c.chunk_tokens = p.chunk_tokens;
+        c.sink_chunks = p.sink_chunks;
+        c.tail_window_chunks = p.tail_window_chunks;
+        c.ubatch = p.ubatch;
+        c.capture_queries = policy == "qk" ? p.qk_queries : 1;
+        auto s = std::make_unique<kvflash_session>();
         s->m = model->m;
-        try {
-            s->rt = std::make_unique<kvflash::Runtime>(model->m, c);
-        } catch (...) {
-            delete s;
-            throw;
-        }
-        return s;
+        s->rt = std::make_unique<kvflash::Runtime>(model->m, c);
+        s->sampler.seed(p.seed);
+        s->qk = policy == "qk";
+        s->tau = p.tau;
+        s->reeval_tokens = p.reeval_tokens;
+        return s.release();
     } catch (const std::exception &e) {
         put_err(err, err_len, e.what());
-        return nullptr;
+    } catch (...) {
+        put_err(err, err_len, "unknown error while creating the session");
     }
+    return nullptr;
 }
 
 void kvflash_session_free(kvflash_session *session) { delete session; }
@@ -113,43 +211,130 @@ void kvflash_session_free(kvflash_session *session) { delete session; }
 int kvflash_eval(kvflash_session *s, const int32_t *tokens, int32_t n, float *logits) {
     return guarded(s, [&] {
         if (!tokens || n <= 0) throw std::invalid_argument("eval: tokens must be non-NULL and n > 0");
-        if (logits) {
-            s->rt->eval(tokens, n, false, logits);
-        } else {
-            std::unique_ptr<float[]> tmp(new float[s->m->hparams().n_vocab]);
-            s->rt->eval(tokens, n, false, tmp.get());
+        s->eval_into_logits(tokens, n);
+        if (s->scored() && s->rt->pager().stats().host_chunks > 0) {
+            // The prompt outgrew the pool: choose the residents against its tail now,
+            // then re-read that tail so it attends to them in every layer.
+            s->since_rescore = 0;
+            if (s->rescore() > 0) {
+                const int32_t k = std::max(1, std::min(n, s->reeval_tokens));
+                s->rt->truncate(s->rt->n_past() - k);
+                s->eval_into_logits(tokens + (n - k), k);
+            }
         }
+        if (logits) std::memcpy(logits, s->logits.data(), s->logits.size() * sizeof(float));
     });
+}
+
+int kvflash_decode(kvflash_session *s, int32_t token, const kvflash_sampling *sp, int32_t *next) {
+    return guarded(s, [&] {
+        if (!next) throw std::invalid_argument("decode: next must be non-NULL");
+        const kvflash::SamplerParams p = sampler_params(sp);
+        s->eval_into_logits(&token, 1);
+        const int32_t tok = s->sampler.sample(s->logits.data(), int32_t(s->logits.size()), p);
+        ++s->since_rescore;
+        if (s->scored() && s->since_rescore >= std::max<int64_t>(s->tau, s->rt->n_past() / 45)) {
+            s->since_rescore = 0;
+            s->rescore();
+        }
+        *next = tok;
+    });
+}
+
+int kvflash_sample(kvflash_session *s, const float *logits, const kvflash_sampling *sp, int32_t *token) {
+    return guarded(s, [&] {
+        if (!token) throw std::invalid_argument("sample: token must be non-NULL");
+        const kvflash::SamplerParams p = sampler_params(sp);
+        if (!logits) {
+            if (s->logits.empty()) throw std::invalid_argument("sample: no logits yet: evaluate a prompt first");
+            logits = s->logits.data();
+        }
+        *token = s->sampler.sample(logits, s->m->hparams().n_vocab, p);
+    });
+}
+
+int kvflash_set_seed(kvflash_session *s, uint64_t seed) {
+    return guarded(s, [&] { s->sampler.seed(seed); });
+}
+
+const float *kvflash_get_logits(const kvflash_session *s) {
+    return s && !s->logits.empty() ? s->logits.data() : nullptr;
 }
 
 int64_t kvflash_n_past(const kvflash_session *s) { return s ? s->rt->n_past() : 0; }
 
-int kvflash_truncate(kvflash_session *s, int64_t n_past) { return guarded(s, [&] { s->rt->truncate(n_past); }); }
+int kvflash_truncate(kvflash_session *s, int64_t n_past) {
+    return guarded(s, [&] {
+        s->rt->truncate(n_past);
+        s->logits.clear();  // they belonged to the forgotten tail
+    });
+}
 
-void kvflash_reset(kvflash_session *s) {
-    if (s) s->rt->reset();
+int kvflash_reset(kvflash_session *s) {
+    return guarded(s, [&] {
+        s->rt->reset();
+        s->logits.clear();
+        s->since_rescore = 0;
+    });
+}
+
+int kvflash_rescore(kvflash_session *s, int32_t *moved) {
+    return guarded(s, [&] {
+        const int32_t m = s->rescore();
+        s->since_rescore = 0;
+        if (moved) *moved = m;
+    });
 }
 
 int kvflash_reselect(kvflash_session *s, const float *scores, int32_t n) {
     return guarded(s, [&] {
-        if (!scores || n < 0) throw std::invalid_argument("reselect: scores must be non-NULL");
+        if (!scores || n < 0) throw std::invalid_argument("reselect: scores must be non-NULL and n >= 0");
+        if (n > s->n_chunks())
+            throw std::out_of_range("reselect: " + std::to_string(n) + " scores for " + std::to_string(s->n_chunks()) +
+                                    " chunks");
+        for (int32_t i = 0; i < n; ++i)
+            if (std::isnan(scores[i])) throw std::invalid_argument("reselect: score " + std::to_string(i) + " is NaN");
         s->rt->pager().reselect(scores, n);
     });
 }
 
+int32_t kvflash_n_chunks(const kvflash_session *s) { return s ? s->n_chunks() : 0; }
+
+int kvflash_chunk_flags(const kvflash_session *s, uint8_t *flags, int32_t n) {
+    return guarded(s, [&] {
+        if (!flags || n < 0) throw std::invalid_argument("chunk_flags: flags must be non-NULL and n >= 0");
+        if (n > s->n_chunks())
+            throw std::out_of_range("chunk_flags: n " + std::to_string(n) + " above the " +
+                                    std::to_string(s->n_chunks()) + " chunks materialised");
+        const kvflash::Pager &pg = s->rt->pager();
+        for (int32_t c = 0; c < n; ++c)
+            flags[c] = uint8_t((pg.block_of(c) >= 0 ? KVFLASH_CHUNK_RESIDENT : 0) |
+                               (pg.host_of(c) >= 0 ? KVFLASH_CHUNK_ON_HOST : 0) |
+                               (pg.is_protected(c) ? KVFLASH_CHUNK_PROTECTED : 0));
+    });
+}
+
 kvflash_stats kvflash_get_stats(const kvflash_session *s) {
-    kvflash_stats out{};
+    kvflash_stats out;
+    std::memset(&out, 0, sizeof out);
     if (!s) return out;
-    const kvflash::PagerStats p = s->rt->pager().stats();
-    out.n_past = s->rt->n_past();
-    out.page_outs = p.page_outs;
-    out.page_ins = p.page_ins;
-    out.bytes_out = p.bytes_out;
-    out.bytes_in = p.bytes_in;
-    out.resident_chunks = p.resident_chunks;
-    out.host_chunks = p.host_chunks;
-    out.resident_bytes = uint64_t(p.resident_bytes + s->rt->swa_bytes());
-    out.host_bytes = uint64_t(p.host_bytes);
+    try {
+        const kvflash::PagerStats p = s->rt->pager().stats();
+        out.n_past = s->rt->n_past();
+        out.page_outs = p.page_outs;
+        out.page_ins = p.page_ins;
+        out.bytes_out = p.bytes_out;
+        out.bytes_in = p.bytes_in;
+        out.resident_chunks = p.resident_chunks;
+        out.host_chunks = p.host_chunks;
+        out.resident_bytes = uint64_t(p.resident_bytes + s->rt->swa_bytes());
+        out.host_bytes = uint64_t(p.host_bytes);
+        out.pool_tokens = s->rt->pager().config().pool_tokens;
+        out.n_chunks = s->n_chunks();
+        out.rescores = s->rescores;
+    } catch (...) {
+        s->err = "stats: unexpected error";
+    }
     return out;
 }
 

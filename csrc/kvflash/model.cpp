@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <thread>
 
@@ -14,6 +16,7 @@
 
 #include "ggml-cpu.h"
 #include "kvflash/attn_cpu.h"
+#include "kvflash/limits.h"
 #ifdef KVFLASH_WITH_CUDA
 #include "ggml-cuda.h"
 #endif
@@ -178,7 +181,13 @@ static Hparams read_hparams(const KV &kv) {
         throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(hp.n_rot) +
                                     " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported");
     hp.n_ctx_train = kv.a("context_length", 4096, false);
-    check_positive(kv.file, "context_length", hp.n_ctx_train, int64_t(1) << 40);
+    check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
+    if (hp.n_ctx_train > kMaxContext) {
+        // The trained context becomes the default max_ctx: clamp it, loudly, to what kvflash addresses.
+        std::fprintf(stderr, "[kvflash] %s: context_length %lld is above the largest context kvflash addresses; "
+                     "using %lld\n", kv.file.c_str(), (long long)hp.n_ctx_train, (long long)kMaxContext);
+        hp.n_ctx_train = kMaxContext;
+    }
     hp.rms_eps = float(kv.f("attention.layer_norm_rms_epsilon", 1e-5, true));
     if (!(hp.rms_eps > 0.f) || hp.rms_eps > 1.f)
         throw std::invalid_argument(kv.file + ": layer_norm_rms_epsilon out of range");
@@ -430,7 +439,7 @@ struct Runtime::Graph {
 
 Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::move(model)), cfg_(std::move(cfg)) {
     const Hparams &hp = model_->hparams();
-    if (cfg_.max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0");
+    check_max_ctx(cfg_.max_ctx);
     if (cfg_.ubatch <= 0) throw std::invalid_argument("ubatch must be > 0");
     const ggml_type kvt = kv_type_from_name(cfg_.kv_type);
     if (cfg_.attn != "auto" && cfg_.attn != "ggml" && cfg_.attn != "pool")

@@ -1,5 +1,7 @@
 #include "kvflash/pager.h"
 
+#include "kvflash/limits.h"
+
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -25,7 +27,7 @@ void PagerConfig::validate() {
                                     std::to_string(chunk_tokens));
     if (sink_chunks < 0) throw std::invalid_argument("sink_chunks must be >= 0");
     if (tail_window_chunks < 0) throw std::invalid_argument("tail_window_chunks must be >= 0");
-    if (max_ctx <= 0) throw std::invalid_argument("max_ctx must be > 0, got " + std::to_string(max_ctx));
+    check_max_ctx(max_ctx);
     const int32_t minp = min_pool_tokens();
     if (pool_tokens <= 0)
         throw std::invalid_argument("pool_tokens must be positive; the minimum for this config is " +
@@ -142,9 +144,7 @@ int32_t Pager::take_block(int64_t head, int32_t lo, int32_t hi) {
 
 AllocResult Pager::alloc_span(int64_t pos0, int32_t n, int32_t *slots_out) {
     if (n <= 0) throw std::invalid_argument("alloc_span: n must be > 0, got " + std::to_string(n));
-    if (pos0 < 0 || pos0 >= cfg_.max_ctx || n > cfg_.max_ctx - pos0)
-        throw std::out_of_range("alloc_span: positions [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) +
-                                ") outside [0, max_ctx=" + std::to_string(cfg_.max_ctx) + ")");
+    check_span(pos0, n, cfg_.max_ctx, "alloc_span");
     const int32_t C = cfg_.chunk_tokens;
     const int32_t c0 = int32_t(pos0 / C), c1 = int32_t((pos0 + n - 1) / C);
     const int64_t new_head = std::max<int64_t>(head_, c1);

@@ -2,8 +2,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace kvflash {
+
+void SamplerParams::validate() const {
+    if (!(temperature >= 0.f)) throw std::invalid_argument("temperature must be >= 0, got " + std::to_string(temperature));
+    if (!(top_p > 0.f && top_p <= 1.f)) throw std::invalid_argument("top_p must be in (0, 1], got " + std::to_string(top_p));
+    if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1), got " + std::to_string(min_p));
+}
 
 int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {
     if (p.temperature <= 0.f) {

@@ -13,6 +13,9 @@ struct SamplerParams {
     int32_t top_k = 0;        // <= 0: all
     float top_p = 1.f;        // nucleus mass in (0, 1]
     float min_p = 0.f;        // drop tokens below min_p * p(max)
+    // Throws std::invalid_argument naming the bad field: temperature >= 0, top_p in (0, 1],
+    // min_p in [0, 1) (NaN fails each).  Every entry point checks through here.
+    void validate() const;
 };
 
 class Sampler {

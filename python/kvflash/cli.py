@@ -35,12 +35,30 @@ def _make_session(a):
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device)
 
 
+_PATH_FLAGS = {
+    "--cmake-dir": ("cmake_dir", "the CMake package directory (find_package(kvflash CONFIG): -Dkvflash_DIR=...)"),
+    "--pkgconfig-dir": ("pkgconfig_dir", "the directory with kvflash.pc (PKG_CONFIG_PATH)"),
+    "--include-dir": ("include_dir", "the directory with kvflash.h"),
+    "--lib-dir": ("lib_dir", "the directory with libkvflash.so"),
+}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0] in _PATH_FLAGS:
+        from . import capi
+        try:
+            capi.check_installed()
+        except FileNotFoundError as e:
+            print(f"kvflash: {e}", file=sys.stderr)
+            return 2
+        print(getattr(capi, _PATH_FLAGS[argv[0]][0])())
+        return 0
     if argv and argv[0] == "bench":
         from .bench import main as bench_main
         return bench_main(argv[1:]) or 0
-    ap = argparse.ArgumentParser(prog="kvflash", description="Long-context local inference with a paged KV pool.")
+    ap = argparse.ArgumentParser(prog="kvflash", description="Long-context local inference with a paged KV pool.",
+                                 epilog="For C/C++: " + "; ".join(f"{k}: {v[1]}" for k, v in _PATH_FLAGS.items()))
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="continue a prompt")
     _session_args(g)

@@ -2,10 +2,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
 #include <random>
 #include <stdexcept>
 #include <vector>
 
+#include "kvflash/limits.h"
 #include "kvflash/pager.h"
 
 using namespace kvflash;
@@ -224,8 +226,29 @@ static void test_random_ops() {
     }
 }
 
+// One guard for sizes: a max_ctx the core cannot address is refused before any
+// table is sized (2^38 + 1920 used to truncate to 32 bits and write out of bounds),
+// and no span arithmetic overflows, whatever the positions.
+static void test_size_guard() {
+    ByteMover m(8, 64);
+    CHECK(throws<std::invalid_argument>([&] { Pager p(cfg(512, (int64_t(1) << 38) + 1920), &m); }));
+    CHECK(throws<std::invalid_argument>([] { PagerConfig x = cfg(512, kMaxContext + 1); x.validate(); }));
+    CHECK(throws<std::invalid_argument>([] { PagerConfig x = cfg(512, INT64_MAX); x.validate(); }));
+    PagerConfig ok = cfg(512, kMaxContext);
+    ok.validate();  // the largest context is legal (not allocated here: its tables take ~1 GiB)
+    CHECK(kMaxContext + 255 <= INT32_MAX);  // a full-cache pool of kMaxContext fits an int32 after rounding
+    Pager p(cfg(512, 4096), &m);
+    std::vector<int32_t> s(64);
+    CHECK(throws<std::out_of_range>([&] { p.alloc_span(INT64_MAX - 10, 64, s.data()); }));
+    CHECK(throws<std::out_of_range>([&] { p.alloc_span(4000, 200, s.data()); }));
+    CHECK(throws<std::out_of_range>([&] { p.truncate(INT64_MAX); }));
+    CHECK(p.slot_of(INT64_MAX) == -1);
+    p.check_invariants();
+}
+
 int main() {
     test_config();
+    test_size_guard();
     test_decode_eviction_roundtrip();
     test_protection_and_errors();
     test_mask();

@@ -1,0 +1,304 @@
+"""The C library as applications use it, and the one guard for context sizes.
+
+- The installed package ships libkvflash (the only copy of the core and of ggml:
+  ``_core`` links it), kvflash.h, a CMake package and a pkg-config file.
+- ``examples/c`` is built against the installed package only (its CMake package)
+  and its greedy ids match ``kvflash.Session``'s on the real model with eviction.
+- A max_ctx the core cannot address (2**38) is refused with a clear error at every
+  entry point; each is tried in a subprocess, so a crash fails the test instead of
+  killing the run.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvflash
+from kvflash import _core, capi
+from tinygguf import write_small_llama, write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+HUGE = 2**38 + 1920
+GUARD_MSG = "above the largest context kvflash addresses"
+
+
+def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_small_llama(tmp_path_factory.mktemp("capi") / "tiny.gguf", seed=3)
+
+
+# ----------------------------------------------------------------------------- the install
+
+def test_wheel_ships_the_c_library_and_package_files():
+    capi.check_installed()
+    assert (capi.include_dir() / "kvflash.h").read_text().count("kvflash_session_new") >= 1
+    pc = (capi.pkgconfig_dir() / "kvflash.pc").read_text()
+    assert "-lkvflash" in pc and "${pcfiledir}" in pc
+    for flag, fn in (("--cmake-dir", capi.cmake_dir), ("--pkgconfig-dir", capi.pkgconfig_dir),
+                     ("--include-dir", capi.include_dir), ("--lib-dir", capi.lib_dir)):
+        out = subprocess.run([sys.executable, "-m", "kvflash", flag], capture_output=True, text=True, check=True)
+        assert Path(out.stdout.strip()) == fn()
+
+
+def test_one_copy_of_the_core_and_of_ggml_per_process():
+    # _core defines no ggml or kvflash core symbol of its own: it imports them from libkvflash.
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    core = Path(_core.__file__)
+    defined = subprocess.run([nm, "-D", "--defined-only", str(core)], capture_output=True, text=True, check=True).stdout
+    assert not re.search(r"\b(ggml_\w+|_ZN7kvflash5Pager\w*)$", defined, re.M), "ggml or the core is linked into _core"
+    undefined = subprocess.run([nm, "-D", "--undefined-only", str(core)], capture_output=True, text=True,
+                               check=True).stdout
+    assert "ggml_backend_cpu_init" in undefined
+    # Loading the library next to the module maps the same file once.
+    ctypes.CDLL(str(capi.library_path()))
+    maps = Path("/proc/self/maps").read_text()
+    paths = {line.split()[-1] for line in maps.splitlines() if line.endswith("libkvflash.so")}
+    assert paths == {str(capi.library_path())}, paths
+
+
+def _cmake() -> str:
+    here = Path(sys.executable).parent / "cmake"
+    exe = str(here) if here.exists() else shutil.which("cmake")
+    if exe is None:
+        pytest.fail("cmake not found: `pip install .[test]` installs it")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def c_example(tmp_path_factory):
+    """examples/c built against the installed wheel through its CMake package (nothing from the source tree)."""
+    build = tmp_path_factory.mktemp("example-build")
+    cmake = _cmake()
+    cfg = subprocess.run([cmake, "-S", str(ROOT / "examples" / "c"), "-B", str(build),
+                          f"-Dkvflash_DIR={capi.cmake_dir()}", "-DCMAKE_BUILD_TYPE=Release"],
+                         capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    bld = subprocess.run([cmake, "--build", str(build)], capture_output=True, text=True)
+    assert bld.returncode == 0, bld.stdout + bld.stderr
+    exe = build / "kvflash_generate"
+    assert exe.exists()
+    ldd = shutil.which("ldd")
+    if ldd:
+        linked = subprocess.run([ldd, str(exe)], capture_output=True, text=True).stdout
+        assert str(capi.library_path()) in linked, linked
+    return exe
+
+
+def _run_example(exe, model, ids, *args, tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text(" ".join(map(str, ids)) + "\n")
+    proc = subprocess.run([str(exe), str(model), "--ids-file", str(f), *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+    return proc
+
+
+def _parse(stdout: str):
+    gen = re.search(r"^generated:(.*)$", stdout, re.M)
+    st = re.search(r"^stats: (.*)$", stdout, re.M)
+    assert gen and st, stdout
+    stats = {k: int(v) for k, v in (kv.split("=") for kv in st.group(1).split())}
+    return [int(t) for t in gen.group(1).split()], stats
+
+
+def test_c_example_reports_errors_as_status(c_example, tiny, tmp_path):
+    bad = _run_example(c_example, tmp_path / "missing.gguf", [1, 2, 3], tmp_path=tmp_path)
+    assert bad.returncode == 1 and "kvflash:" in bad.stderr
+    huge = _run_example(c_example, tiny, [1, 2, 3], "--max-ctx", HUGE, tmp_path=tmp_path)
+    assert huge.returncode == 1 and GUARD_MSG in huge.stderr, huge.stderr
+    small = _run_example(c_example, tiny, [1, 2, 3], "--pool", 256, tmp_path=tmp_path)
+    assert small.returncode == 1 and "minimum" in small.stderr, small.stderr
+    oob = _run_example(c_example, tiny, [1, 10**6], tmp_path=tmp_path)
+    assert oob.returncode == 1 and "kvflash:" in oob.stderr, oob.stderr
+
+
+def _session_ids(model, ids, n, *, pool, policy, kv_type="q8_0", threads=2):
+    s = kvflash.Session(model, max_ctx=4096, kvflash=pool, policy=policy, kv_type=kv_type, threads=threads,
+                        verbose=False)
+    s.prefill(ids)
+    for _ in s.generate(None, max_tokens=n, ignore_eos=True):
+        pass
+    return s.tokens[len(ids):], s.stats
+
+
+@pytest.mark.parametrize("policy", ["lru", "qk"])
+def test_c_example_matches_session_on_tiny_model(c_example, tiny, tmp_path, policy):
+    ids = [(i * 37 + 11) % 250 + 3 for i in range(900)]  # 900 tokens through a 512 pool: pages
+    want, st = _session_ids(tiny, ids, 80, pool=512, policy=policy)
+    proc = _run_example(c_example, tiny, ids, "-n", 80, "--pool", 512, "--policy", policy, "-t", 2, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got, cst = _parse(proc.stdout)
+    assert got == want
+    assert cst["page_outs"] == st["page_outs"] > 0
+    assert cst["rescores"] == (st["rescores"] if policy == "qk" else 0)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("policy", ["lru", "qk"])
+def test_c_example_matches_session_on_smollm2(c_example, tmp_path, policy):
+    model = kvflash.resolve_model("smollm2-135m")
+    s = kvflash.Session(model, max_ctx=4096, kvflash=512, policy="lru", verbose=False)
+    text = ("The lighthouse keeper wrote the day's weather in his log, then climbed the stairs to trim the wick. " * 18 +
+            "The secret word is marigold. " +
+            "Ships passed in the night and the keeper counted their lights from the gallery. " * 18 +
+            "\nQuestion: what is the secret word? Answer:")
+    ids = s.tokenize(text)
+    assert len(ids) > 600  # past the 512-token pool: eviction in play
+    want, st = _session_ids(model, ids, 32, pool=512, policy=policy)
+    proc = _run_example(c_example, model, ids, "-n", 32, "--pool", 512, "--policy", policy, "-t", 2,
+                        "--kv-type", "q8_0", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got, cst = _parse(proc.stdout)
+    assert got == want
+    assert cst["page_outs"] == st["page_outs"] > 0
+    assert cst["n_past"] == len(ids) + 31
+
+
+# ----------------------------------------------------------------------------- the size guard
+
+def test_max_context_constant():
+    assert _core.MAX_CONTEXT == 2**31 - 256
+    _core.check_max_ctx(_core.MAX_CONTEXT)
+    for bad in (0, -1, _core.MAX_CONTEXT + 1, HUGE):
+        with pytest.raises(ValueError):
+            _core.check_max_ctx(bad)
+
+
+def _expect_guard(code: str):
+    proc = run_python(code)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "REFUSED" in proc.stdout and GUARD_MSG in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_pager_refuses_huge_max_ctx():
+    _expect_guard(f"""
+        import kvflash
+        try:
+            p = kvflash.Pager(pool_tokens=512, max_ctx={HUGE}, n_layers=1, n_embd_k=32, kv_type="f16")
+            p.alloc_span(1920, 64)
+            print("ACCEPTED")
+        except ValueError as e:
+            print("REFUSED", e)
+    """)
+
+
+def test_pager_positions_past_max_ctx_are_index_errors():
+    p = kvflash.Pager(pool_tokens=512, max_ctx=4096, n_layers=1, n_embd_k=32, kv_type="f16")
+    for pos0, n in ((4096, 1), (4000, 200), (2**62, 64), (-1, 1)):
+        with pytest.raises(IndexError):
+            p.alloc_span(pos0, n)
+    with pytest.raises(ValueError):
+        p.alloc_span(0, 0)
+    p.check_invariants()
+
+
+def test_runtime_refuses_huge_max_ctx(tiny):
+    _expect_guard(f"""
+        from kvflash import _core
+        m = _core.Model({str(tiny)!r}, 1)
+        for pool in (0, 512):
+            try:
+                _core.Runtime(m, max_ctx={HUGE}, pool_tokens=pool)
+                print("ACCEPTED")
+            except ValueError as e:
+                print("REFUSED", e)
+    """)
+
+
+def test_session_refuses_huge_max_ctx(tiny):
+    _expect_guard(f"""
+        import kvflash
+        try:
+            kvflash.Session({str(tiny)!r}, max_ctx={HUGE}, allow_long_ctx=True, kvflash=512, policy="lru",
+                            verbose=False)
+            print("ACCEPTED")
+        except ValueError as e:
+            print("REFUSED", e)
+    """)
+
+
+def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
+    path = tmp_path / "longctx.gguf"
+    write_tiny_model(path, "llama", n_layer=1, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, ctx_len=2**40)
+    proc = run_python(f"""
+        import kvflash
+        m = kvflash.Model({str(path)!r}, 1)
+        print("N_CTX_TRAIN", m.hparams["n_ctx_train"])
+        s = kvflash.Session({str(path)!r}, kvflash=512, policy="lru", verbose=False)
+        print("MAX_CTX", s.max_ctx)
+        s.prefill([1, 2, 3])
+        print("OK", s.n_past)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert f"N_CTX_TRAIN {_core.MAX_CONTEXT}" in proc.stdout
+    assert f"MAX_CTX {_core.MAX_CONTEXT}" in proc.stdout and "OK 3" in proc.stdout
+    assert "context_length 1099511627776 is above the largest context" in proc.stderr
+
+
+class Params(ctypes.Structure):
+    """struct kvflash_params as kvflash.h declares it (API version 2)."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
+                ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
+                ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
+                ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
+                ("seed", ctypes.c_uint64)]
+
+
+def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
+    proc = run_python(f"""
+        import ctypes
+        from kvflash import capi
+        from test_capi import Params
+        lib = ctypes.CDLL(str(capi.library_path()))
+        lib.kvflash_default_params.restype = Params
+        lib.kvflash_model_load.restype = ctypes.c_void_p
+        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_session_new.restype = ctypes.c_void_p
+        lib.kvflash_session_new.argtypes = [ctypes.c_void_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_max_context.restype = ctypes.c_int64
+        lib.kvflash_model_free.argtypes = [ctypes.c_void_p]
+        err = ctypes.create_string_buffer(512)
+        p = lib.kvflash_default_params()
+        assert p.struct_size == ctypes.sizeof(Params), (p.struct_size, ctypes.sizeof(Params))
+        print("MAX", lib.kvflash_max_context())
+        m = lib.kvflash_model_load({str(tiny).encode()!r}, 1, err, 512)
+        assert m, err.value
+        def refused(**kw):
+            q = lib.kvflash_default_params()
+            for k, v in kw.items():
+                setattr(q, k, v)
+            err.value = b""
+            s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
+            return None if s else err.value.decode()
+        print("HUGE", refused(max_ctx={HUGE}, pool_tokens=512))
+        print("HUGE_FULL", refused(max_ctx={HUGE}, pool_tokens=0))
+        print("POLICY", refused(policy=b"drafter"))
+        print("SIZE", refused(struct_size=0))
+        old = refused(struct_size=Params.policy.offset)  # a caller built against API version 1
+        print("OLD_OK", old is None)
+        lib.kvflash_model_free(m)
+        print("LOADFAIL", lib.kvflash_model_load(b"/nonexistent.gguf", 1, err, 512), err.value.decode())
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"MAX {_core.MAX_CONTEXT}" in out
+    assert re.search(rf"^HUGE .*{GUARD_MSG}", out, re.M) and re.search(rf"^HUGE_FULL .*{GUARD_MSG}", out, re.M), out
+    assert re.search(r'^POLICY .*policy must be "lru" or "qk"', out, re.M), out
+    assert re.search(r"^SIZE .*struct_size", out, re.M), out
+    assert "OLD_OK True" in out
+    assert re.search(r"^LOADFAIL None .+", out, re.M), out
