@@ -389,3 +389,77 @@ def test_real_smollm2_135m(monkeypatch):
                     reason="download over 300 MB; set KVFLASH_SLOW=1")
 def test_real_gemma3_270m(monkeypatch):
     _check_real("gemma3-270m", monkeypatch)
+
+
+# --------------------------------------------------------------------------- pip, with or without pip
+
+def test_pip_command_prefers_this_interpreters_pip(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "pip" else real(name, *a))
+    assert registry.pip_command() == [sys.executable, "-m", "pip"]
+
+
+def test_pip_command_without_pip_runs_the_ensurepip_wheel(monkeypatch):
+    # A venv made by `uv venv`, or pip's isolated build environment: no importable pip.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    wheel = registry._bundled_pip_wheel()
+    if wheel is None:
+        pytest.skip(f"{sys.executable} ships no ensurepip wheel (the PATH pip is the fallback there)")
+    cmd = registry.pip_command()
+    assert cmd == [sys.executable, str(wheel / "pip")]
+    import subprocess
+    out = subprocess.run(cmd + ["--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("pip "), out.stderr
+
+
+def test_pip_command_says_what_to_do_when_there_is_no_pip_anywhere(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    monkeypatch.setattr(registry, "_bundled_pip_wheel", lambda: None)
+    monkeypatch.setattr(registry.shutil, "which", lambda name: None)
+    with pytest.raises(FetchError, match="no pip to download with"):
+        registry.pip_command()
+
+
+def test_uv_index_setting_carries_over_to_pip(monkeypatch):
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
+    assert registry._pip_env()["PIP_INDEX_URL"] == "http://127.0.0.1:9/simple"
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:8/simple")
+    assert registry._pip_env()["PIP_INDEX_URL"] == "http://127.0.0.1:8/simple"
+
+
+def _tar(path: Path, members) -> Path:
+    import tarfile
+    with tarfile.open(path, "w:gz") as tf:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            elif kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tf.addfile(info)
+    return path
+
+
+@pytest.mark.parametrize("with_filter", [True, False])
+def test_extract_members_is_safe_with_and_without_tarfile_filters(tmp_path, monkeypatch, with_filter):
+    import tarfile
+    if not with_filter:  # Pythons before 3.9.17 / 3.10.12 / 3.11.4 have no extraction filters
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip("this Python has no tarfile extraction filters")
+    good = _tar(tmp_path / "good.tgz", [("pkg/ggml/include/ggml.h", "file", b"// ggml\n"),
+                                        ("pkg/other.txt", "file", b"x")])
+    out = registry.extract_members(good, "pkg/ggml", tmp_path / "dest")
+    assert (out / "include" / "ggml.h").read_bytes() == b"// ggml\n"
+    assert not (tmp_path / "dest" / "pkg" / "other.txt").exists()
+    evil = _tar(tmp_path / "evil.tgz", [("pkg/ggml/../../../escape.txt", "file", b"no")])
+    with pytest.raises((FetchError, tarfile.TarError)):
+        registry.extract_members(evil, "pkg/ggml", tmp_path / "dest2")
+    assert not (tmp_path / "escape.txt").exists()
+    link = _tar(tmp_path / "link.tgz", [("pkg/ggml/passwd", "symlink", "/etc/passwd")])
+    with pytest.raises((FetchError, tarfile.TarError)):
+        registry.extract_members(link, "pkg/ggml", tmp_path / "dest3")

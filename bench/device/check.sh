@@ -240,7 +240,8 @@ sum ""
 
 # The module under test: the CUDA build's _core over this tree's python/kvflash.
 if [ $BUILD_OK = 1 ]; then
-    rm -rf /tmp/kvf && mkdir -p /tmp/kvf && cp -r python/kvflash /tmp/kvf/kvflash && cp build-cuda/_core*.so /tmp/kvf/kvflash/
+    rm -rf /tmp/kvf && mkdir -p /tmp/kvf && cp -r python/kvflash /tmp/kvf/kvflash && cp build-cuda/_core*.so /tmp/kvf/kvflash/ \
+        && mkdir -p /tmp/kvf/kvflash/lib && cp build-cuda/libkvflash.so /tmp/kvf/kvflash/lib/  # _core links it ($ORIGIN/lib)
     export PYTHONPATH="/tmp/kvf${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
