@@ -220,12 +220,12 @@ def test_runtime_refuses_huge_max_ctx(tiny):
     """)
 
 
-def test_session_refuses_huge_max_ctx(tiny):
+@pytest.mark.parametrize("kw", ["allow_long_ctx=True, kvflash=512", "kvflash='auto'", "kvflash=None"])
+def test_session_refuses_huge_max_ctx(tiny, kw):
     _expect_guard(f"""
         import kvflash
         try:
-            kvflash.Session({str(tiny)!r}, max_ctx={HUGE}, allow_long_ctx=True, kvflash=512, policy="lru",
-                            verbose=False)
+            kvflash.Session({str(tiny)!r}, max_ctx={HUGE}, {kw}, policy="lru", verbose=False)
             print("ACCEPTED")
         except ValueError as e:
             print("REFUSED", e)
