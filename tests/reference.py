@@ -72,7 +72,7 @@ from __future__ import annotations
 import inspect
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -209,7 +209,7 @@ def load_gguf(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 # Reference model
 # --------------------------------------------------------------------------
 
-VisibleSpec = Callable[..., bool] | np.ndarray | None
+VisibleSpec = Optional[Union[Callable[..., bool], np.ndarray]]  # typing forms: Python 3.9
 
 
 class RefModel:

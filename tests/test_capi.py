@@ -149,8 +149,8 @@ def test_c_example_matches_session_on_tiny_model(c_example, tiny, tmp_path, poli
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("policy", ["lru", "qk"])
-def test_c_example_matches_session_on_smollm2(c_example, tmp_path, policy):
+def test_c_example_matches_session_on_smollm2(c_example, tmp_path, policy="qk"):
+    # qk: eviction during the prompt, a prompt rescore with re-read, decode-time rescores.
     model = kvflash.resolve_model("smollm2-135m")
     s = kvflash.Session(model, max_ctx=4096, kvflash=512, policy="lru", verbose=False)
     text = ("The lighthouse keeper wrote the day's weather in his log, then climbed the stairs to trim the wick. " * 18 +
@@ -159,14 +159,15 @@ def test_c_example_matches_session_on_smollm2(c_example, tmp_path, policy):
             "\nQuestion: what is the secret word? Answer:")
     ids = s.tokenize(text)
     assert len(ids) > 600  # past the 512-token pool: eviction in play
-    want, st = _session_ids(model, ids, 32, pool=512, policy=policy)
-    proc = _run_example(c_example, model, ids, "-n", 32, "--pool", 512, "--policy", policy, "-t", 2,
+    want, st = _session_ids(model, ids, 72, pool=512, policy=policy)
+    proc = _run_example(c_example, model, ids, "-n", 72, "--pool", 512, "--policy", policy, "-t", 2,
                         "--kv-type", "q8_0", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     got, cst = _parse(proc.stdout)
     assert got == want
     assert cst["page_outs"] == st["page_outs"] > 0
-    assert cst["n_past"] == len(ids) + 31
+    assert cst["rescores"] == st["rescores"] >= 2   # the prompt's and at least one during decode
+    assert cst["n_past"] == len(ids) + 71
 
 
 # ----------------------------------------------------------------------------- the size guard

@@ -154,7 +154,7 @@ def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
     worst = max(errs)
     report(f"kvflash-decode {arch} {kv_type}", worst, NMSE_TOL[kv_type])
     st = rg.pager.stats
-    assert st["page_outs"] > 0 and st["page_ins"] >= 0, st  # the prompt really paged through the pinned slab
+    assert st["page_outs"] > 0 and st["host_chunks"] > 0, st  # the prompt really paged through the pinned slab
     assert worst < NMSE_TOL[kv_type], (errs, st)
     srt = np.sort(b)
     assert ta == tb, f"greedy tokens diverge: cuda {ta} cpu {tb}; cpu top-2 margin {srt[-1] - srt[-2]:.3g}"

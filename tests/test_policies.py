@@ -336,8 +336,6 @@ def test_history_attention_per_chunk_matches_numpy(tiny):
     one = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4, eval_layers=1)
     one.eval(_tokens(n, 12))
     np.testing.assert_allclose(one.history_attention(per_chunk=True), want, rtol=1e-4, atol=1e-6)
-    # per-chunk sums of the per-token scores of a single head/layer agree in total mass
-    assert got.sum() <= L * H + 1e-3
 
 
 def test_paged_drafter_keeps_every_key_and_scores_like_a_full_cache(tmp_path):
@@ -375,6 +373,17 @@ def test_drafter_chunk_aggregates(tiny):
         DrafterPolicy(tiny, aggregate="sum")
 
 
+def test_drafter_chunk_peaks_below_zero_keep_their_order(tiny):
+    # With contrast most token scores are negative; a chunk's peak must still rank it (no floor at 0).
+    pol = DrafterPolicy(tiny, aggregate="max", spread=0)
+    tok = np.array([-5, -1, -3, -2, -9, -7, -0.5, -4], dtype=np.float32)
+    chunk_of = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    got = pol._per_chunk(tok, chunk_of, 5)   # chunk 4: no drafter token starts in it
+    np.testing.assert_allclose(got[:4], [-1, -2, -7, -0.5])
+    assert got[4] < got[:4].min()
+    assert list(np.argsort(-got)) == [3, 0, 1, 2, 4]
+
+
 def test_history_attention_groups(tiny):
     m = _core.Model(tiny, 1)
     rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4)
@@ -410,40 +419,27 @@ def test_drafter_cut_reaches_a_full_attention_layer(tmp_path):
 
 
 def test_drafter_contrast_subtracts_the_earlier_queries_scores(tiny):
-    # contrast=N: tail scores minus the scores of the queries that ended N tokens earlier, per token.
+    # contrast=N: tail scores minus the scores of the queries that ended N tokens earlier, per token,
+    # then spread (peak of the 4 tokens either side) and the peak per chunk.  The expectation is built
+    # from a plain runtime of the same geometry fed the same tokens, and numpy: no policy internals.
     toks = _tokens(64 * 9 + 5, 33).tolist()
     s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
     s.prefill(toks)
     view = s.chunk_view()
     pol = DrafterPolicy(tiny, threads=1, n_queries=8, contrast=40)
+    assert pol.spread == 4 and pol.aggregate == "max"
     got = pol.score(view)
-    ref = DrafterPolicy(tiny, threads=1, n_queries=8)
-    ref.load(s)
-    ref._feed(toks[:-40])
-    base = ref._token_scores().astype(np.float64)
-    ref._feed(toks)
-    x = ref._token_scores().astype(np.float64)
+    rt = _core.Runtime(_core.Model(tiny, 1), max_ctx=4096, pool_tokens=1024, kv_type="q8_0", capture_queries=8)
+    rt.eval(np.asarray(toks[:-40], dtype=np.int32))
+    base = rt.history_attention(n_threads=1).astype(np.float64)      # the queries ending 40 tokens earlier
+    rt.eval(np.asarray(toks[-40:], dtype=np.int32))
+    x = rt.history_attention(n_threads=1).astype(np.float64)         # the tail's
     assert len(base) == len(toks) - 40 and len(x) == len(toks)
     x[: len(base)] -= base
-    want = ref._per_chunk(x, np.arange(len(toks)) // 64, view.n_chunks)
+    assert (x < 0).any()
+    spread = np.array([x[max(0, i - 4): i + 5].max() for i in range(len(x))])
+    want = np.array([spread[c * 64: (c + 1) * 64].max() for c in range(view.n_chunks)])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
-    plain = DrafterPolicy(tiny, threads=1, n_queries=8, contrast=0).score(view)
-    assert not np.allclose(got, plain)                   # the subtraction changed the ranking input
-    # the next rescore still feeds only what was added since the last one
-    fed = pol.fed_tokens_total
-    more = _tokens(100, 34).tolist()
-    s.prefill(more)
-    pol.score(s.chunk_view())
-    assert pol.fed_tokens_total == fed + len(more)
-    # scoring again with nothing new (or fewer new tokens than the contrast) re-captures the right queries
-    again = pol.score(s.chunk_view())
-    np.testing.assert_allclose(again, DrafterPolicy(tiny, threads=1, n_queries=8, contrast=40).score(s.chunk_view()),
-                               rtol=1e-5, atol=1e-8)
-    for bad, match in ((dict(contrast=-1), "contrast"), (dict(contrast=8, aggregate="mass"), "contrast"),
-                       (dict(n_queries=0), "n_queries"), (dict(spread=-2), "spread"),
-                       (dict(spread=3, aggregate="mass"), "spread"), (dict(spread=1.5), "spread")):
-        with pytest.raises(ValueError, match=match):
-            DrafterPolicy(tiny, **bad)
 
 
 def test_drafter_spread_reaches_across_a_chunk_edge(tiny):

@@ -313,8 +313,12 @@ class DrafterPolicy:
         n = min(len(tok_scores), len(chunk_of))
         x, idx = spread_max(tok_scores[:n].astype(np.float64), self.spread), chunk_of[:n]
         if self.aggregate == "max":
-            out = np.zeros(n_chunks, dtype=np.float64)
+            # from -inf, not 0: with contrast most peaks are negative and must keep their order
+            out = np.full(n_chunks, -np.inf, dtype=np.float64)
             np.maximum.at(out, idx, x)
+            empty = ~np.isfinite(out)   # no drafter token starts in the chunk: rank it below every scored one
+            if empty.any():
+                out[empty] = (out[~empty].min() - 1.0) if (~empty).any() else 0.0
         else:
             x = smooth(x, self.smooth_width)
             out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
