@@ -20,6 +20,7 @@ def tiny(tmp_path_factory):
     ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk,qk-bound"]),
     ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter"]),
     ("ab", ["--contexts", "1024", "--needles", "1", "--repeats", "1", "--steps", "4", "--policy", "qk"]),
+    ("memory", ["--contexts", "2048"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -33,6 +34,14 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert "passkey chunk resident" in (out / "table.md").read_text()
     if routine == "rescore":
         assert "drafter" in text and "qk" in text
+    if routine == "memory":
+        rows = data["results"][0]["rows"]
+        modes = {(r["mode"], r["host"]) for r in rows}
+        assert {("full", "-"), ("kvflash", "ram"), ("kvflash", "file")} <= modes, modes
+        for r in rows:   # each cell measured in a process of its own
+            assert r["rss_mib"] > 0 and r["rss_anon_mib"] > 0 and r["rss_mib"] >= r["rss_anon_mib"]
+            if r["mode"] == "kvflash":
+                assert r["host_mib"] > 0 and r["host_reserved_mib"] >= r["host_mib"]
 
 
 def test_bad_arguments_are_clear(tiny, capsys):

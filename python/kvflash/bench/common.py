@@ -238,13 +238,14 @@ def model_label(model: str) -> str:
     return Path(model).stem if os.sep in model or model.endswith(".gguf") else model
 
 
-def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy: str = "lru"):
+def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy: str = "lru", **session_kw):
     """A Session for one mode: pool=None is the full cache.  Raises Unavailable with the reason
-    for policies this build lacks; a drafter that falls back to LRU is returned with .fallback set."""
+    for policies this build lacks; a drafter that falls back to LRU is returned with .fallback set.
+    session_kw: more Session keywords (host=, host_path=)."""
     import kvflash
     from kvflash.models import resolve_model
     kw = dict(model=cfg.model, max_ctx=max_ctx, kvflash=pool, kv_type=cfg.kv_type, threads=cfg.threads,
-              tau=cfg.tau, seed=cfg.seed, verbose=False)
+              tau=cfg.tau, seed=cfg.seed, verbose=False, **session_kw)
     n_train = _n_ctx_train(cfg)
     if max_ctx > n_train:
         kw["allow_long_ctx"] = True
