@@ -363,7 +363,6 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
                  if (!model) throw std::invalid_argument("model is required");
-                 check_max_ctx(max_ctx);
                  if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
                  if (ubatch <= 0) throw std::invalid_argument("ubatch must be >= 1");
                  RuntimeConfig c;

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kvflash/limits.h"
+#include "kvflash/limits.h"  // kMaxContext
 #include "kvflash/model.h"
 #include "kvflash/sampling.h"
 
@@ -170,8 +170,7 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         return nullptr;
     }
     try {
-        const kvflash_params p = read_params(params);
-        kvflash::check_max_ctx(p.max_ctx);
+        const kvflash_params p = read_params(params);  // max_ctx: the Runtime checks it (limits.h)
         const std::string policy = p.policy ? p.policy : "lru";
         if (policy != "lru" && policy != "qk")
             throw std::invalid_argument("params.policy must be \"lru\" or \"qk\", got \"" + policy + "\"");

@@ -140,8 +140,7 @@ class Session:
             max_ctx = int(hp["n_ctx_train"])
         if not isinstance(max_ctx, int) or isinstance(max_ctx, bool) or max_ctx < 1:
             raise ValueError(f"max_ctx must be a positive integer, got {max_ctx!r}")
-        if max_ctx > _core.MAX_CONTEXT:
-            _core.check_max_ctx(max_ctx)  # the core's one size guard: raises ValueError with its message
+        _core.check_max_ctx(max_ctx)  # the core's one size guard, before anything is sized from max_ctx
         if max_ctx > hp["n_ctx_train"] and not allow_long_ctx:
             raise ValueError(f"max_ctx {max_ctx} is above the {hp['n_ctx_train']} tokens this model was trained "
                              f"for; lower it, or pass allow_long_ctx=True to run past the trained context")
