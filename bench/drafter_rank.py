@@ -1,4 +1,4 @@
-"""Where does the drafter rank the passkey chunk?  A probe for drafter scoring ideas.
+"""Where does the drafter (or qk) rank the passkey chunk?  A probe for scoring ideas, on TUNING data only.
 
 For each needle trial (the bench's prompts: same builder, seed and token budget as `bench needle`), a
 fresh DrafterPolicy with each requested variant scores the whole prompt once, as the session does when
@@ -8,6 +8,13 @@ No target forward pass runs, so one variant costs one drafter feed (~15 s at 8K 
 
 Each variant is a dict of DrafterPolicy keywords: `{}` is the policy's defaults (16 queries, contrast 32,
 spread 4); `{"n_queries": 8, "contrast": 0, "spread": 0}` is the reference's plain scoring.
+
+`--policy qk`: the variants are QKPolicy keyword dicts, scored on the target itself: each trial is
+prefilled into a pooled target session (capturing as many queries as the largest variant needs), and
+every variant scores that session's history, paged-out keys included.
+
+    python bench/drafter_rank.py --policy qk --model smollm2-135m --context 4096 --pool 512 --trials 0,1,2,3,4,5 \
+        --variants '[{}, {"aggregate": "peak", "n_queries": 16, "contrast": 32, "spread": 4}]'
 
     python bench/drafter_rank.py --model gemma3-270m --drafter smollm2-135m --context 8192 --pool 768 \
         --trials 2,3,10 --variants '[{}, {"n_queries": 8, "contrast": 0, "spread": 0}, {"spread": 0}]'
@@ -21,22 +28,17 @@ import numpy as np
 
 import kvflash
 from kvflash.bench.needle import NeedleBuilder
-from kvflash.bench.routines import _passkey_chunk
+from kvflash.bench.routines import _passkey_chunk, rank_of
 from kvflash.models import resolve_model
 from kvflash.policies import ChunkView
-from kvflash.scoring import DrafterPolicy
-
-
-def rank_of(scores: np.ndarray, protected: np.ndarray, chunk: int) -> int:
-    cand = np.where(~protected)[0]
-    order = cand[np.argsort(-scores[cand], kind="stable")]
-    hit = np.where(order == chunk)[0]
-    return int(hit[0]) if len(hit) else -1
+from kvflash.scoring import DrafterPolicy, QKPolicy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--policy", choices=["drafter", "qk"], default="drafter",
+                    help="which policy's variants to rank (qk: QKPolicy keywords, scored on the target)")
     ap.add_argument("--drafter", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--pool", type=int, default=768)
@@ -53,10 +55,16 @@ def main() -> None:
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
         raise SystemExit("--variants must be a JSON list of objects, e.g. '[{}, {\"n_queries\": 16}]'")
     depths = [int(x) for x in a.depths.split(",")]
-    s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads)
+    if a.policy == "qk":
+        qks = [QKPolicy(**v) for v in variants]
+        cap = QKPolicy(aggregate="peak", n_queries=max(q.n_queries for q in qks),
+                       contrast=max(q.n_capture for q in qks) - max(q.n_queries for q in qks))
+        s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy=cap, threads=a.threads)
+    else:
+        s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads)
     C = s.chunk_tokens
     drafter = str(resolve_model(a.drafter))
-    builder = NeedleBuilder(s, a.seed)
+    builder = NeedleBuilder(s, a.seed, split="tuning")  # a parameter search: tuning data only
     print(f"model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
           f"among the unprotected chunks (kept when rank < free)")
     for i in (int(x) for x in a.trials.split(",")):
@@ -69,10 +77,14 @@ def main() -> None:
                          tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
                          protected=protected, pool_chunks=a.pool // C, session=s)
         chunk = _passkey_chunk(s, t.ids, t.value)
+        if a.policy == "qk":   # the target's own history: a real pooled prefill
+            s.reset()
+            s.prefill(t.ids)
+            view = s.chunk_view()
         free = view.pool_chunks - int(view.protected.sum())
         ranks = []
         for v in variants:
-            p = DrafterPolicy(drafter, threads=a.threads, **v)
+            p = QKPolicy(**v) if a.policy == "qk" else DrafterPolicy(drafter, threads=a.threads, **v)
             ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
         print(f"trial {i} depth {t.depth}% passkey chunk {chunk}/{view.n_chunks} free {free}: " +
               ", ".join(f"{k} → {r}" for k, r in ranks), flush=True)

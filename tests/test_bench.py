@@ -19,8 +19,10 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("routine,extra", [
     ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk,qk-bound"]),
     ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter"]),
-    ("ab", ["--contexts", "1024", "--needles", "1", "--repeats", "1", "--steps", "4", "--policy", "qk"]),
+    ("ab", ["--contexts", "1024", "--needles", "2", "--steps", "4", "--policy", "qk"]),
     ("memory", ["--contexts", "2048"]),
+    ("memory", ["--contexts", "1024", "--prefill", "--cells", "ram,file"]),
+    ("paging", ["--repeats", "1"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -32,12 +34,36 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     text = json.dumps(data)
     if routine == "needle":
         assert "passkey chunk resident" in (out / "table.md").read_text()
+        rows = data["results"][0]["rows"]
+        # reporting split by default: both haystacks, a rank per trial for the scored policies
+        assert {r["haystack"] for r in rows} == {"prose", "ledger"}
+        qk = [r for r in rows if r["policy"] == "qk"]
+        assert qk and all(len(r["ranks"].split(" (")[0].split()) == 2 for r in qk), qk
+        assert any("reporting data" in n for n in data["results"][0]["notes"])
+    if routine == "ab":
+        rows = data["results"][0]["rows"]
+        assert [r["mode"] for r in rows] == ["full", "full (A/A control)", "kvflash"], rows
+        kv = rows[2]
+        # the window pays for rescoring: 4 periods of 64 tokens + 1 at this context, every trial
+        assert kv["window"] == 257 and kv["rescores"]["min"] >= 4, kv
+        assert rows[0]["rescores"]["max"] == 0
+        assert "x (" in rows[1]["speed_ratio"] and "x (" in kv["speed_ratio"]
+        assert any("A/A" in n for n in data["results"][0]["notes"])
     if routine == "rescore":
         assert "drafter" in text and "qk" in text
+    if routine == "paging":
+        ops = {r["op"]: r for r in data["results"][0]["rows"]}
+        for op in ("page_out_cold", "page_out_warm", "page_in_cold", "page_in_warm", "reselect_noop"):
+            assert ops[op]["ms"]["n"] > 0, op
+        assert ops["page_in_cold"]["vs_memcpy"].endswith("x")
     if routine == "memory":
         rows = data["results"][0]["rows"]
         modes = {(r["mode"], r["host"]) for r in rows}
-        assert {("full", "-"), ("kvflash", "ram"), ("kvflash", "file")} <= modes, modes
+        if "--prefill" in extra:   # real prefills, only the cells asked for
+            assert modes == {("kvflash", "ram"), ("kvflash", "file")}, modes
+            assert all(r["prefill_s"] > 0 for r in rows)
+        else:
+            assert {("full", "-"), ("kvflash", "ram"), ("kvflash", "file")} <= modes, modes
         for r in rows:   # each cell measured in a process of its own
             assert r["rss_mib"] > 0 and r["rss_anon_mib"] > 0 and r["rss_mib"] >= r["rss_anon_mib"]
             if r["mode"] == "kvflash":
@@ -48,3 +74,23 @@ def test_bad_arguments_are_clear(tiny, capsys):
     with pytest.raises(SystemExit):
         cli.main(["needle", "--policies", "nope"])
     assert "unknown" in capsys.readouterr().err
+
+
+def test_needle_splits_are_disjoint(tiny):
+    """Tuning and reporting prompts share no wording; the ledger haystack carries numbers, and the passkey
+    occurs exactly once in its prompt; the tuning split refuses the reporting haystack."""
+    import kvflash
+    from kvflash.bench.needle import NeedleBuilder, REPORTING_WORDINGS, TUNING_WORDINGS
+    assert not {w[0] for w in TUNING_WORDINGS} & {w[0] for w in REPORTING_WORDINGS}
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=None, threads=1, verbose=False)
+    tune = NeedleBuilder(s, 1234, split="tuning").trial(0, 1500, [50])
+    rep = NeedleBuilder(s, 1234, split="reporting", haystack="prose").trial(0, 1500, [50])
+    led = NeedleBuilder(s, 1234, split="reporting", haystack="ledger")
+    assert s.detokenize(tune.ids) != s.detokenize(rep.ids)
+    assert "The passkey is" in s.detokenize(tune.ids)
+    for i in range(3):
+        t = led.trial(i, 1500, [10, 50, 90])
+        text = s.detokenize(t.ids)
+        assert sum(ch.isdigit() for ch in text) > 100 and text.count(t.value) == 1
+    with pytest.raises(ValueError, match="reporting data"):
+        NeedleBuilder(s, 1234, split="tuning", haystack="ledger")

@@ -129,12 +129,16 @@ def test_python_policy_keeps_planted_chunk(tiny):
     lru = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False)
     lru.prefill(_tokens(64 * 12, 2).tolist())
     assert lru.pager.chunk_table()["block"][2] < 0     # recency alone would have dropped it
+    assert lru.last_scores is None                     # lru never scores
+    want = np.zeros(12, dtype=np.float32)
+    want[2] = 10.0
+    np.testing.assert_array_equal(s.last_scores, want)  # what the policy returned, kept for inspection
     list(s.generate(max_tokens=40, ignore_eos=True))   # decode rescoring every max(tau, n/45) tokens
     assert pol.calls >= 3
     assert s.stats["rescores"] == pol.calls
     assert s.pager.chunk_table()["block"][2] >= 0
     s.reset()
-    assert pol.resets == 1 and s.pager.scores() is None and s.n_past == 0
+    assert pol.resets == 1 and s.pager.scores() is None and s.n_past == 0 and s.last_scores is None
 
 
 def test_bad_policy_objects(tiny):
@@ -456,3 +460,39 @@ def test_drafter_spread_reaches_across_a_chunk_edge(tiny):
     np.testing.assert_allclose(spread, [5, 5, 0, 1])   # with it, chunk 1 shares chunk 0's peak
     neg = np.array([-3.0, -1.0, -2.0])                 # contrast makes scores negative: spread keeps them
     np.testing.assert_allclose(spread_max(neg, 1), [-1, -1, -1])
+
+
+def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
+    # qk with aggregate="peak": the session captures n_queries + contrast queries.  Without paging, the
+    # expectation is a second runtime fed the same tokens in two parts (the baseline's queries end
+    # `contrast` tokens early), and numpy.  With paging (pool 512 < 9 chunks, paged-out keys read from the
+    # host store), the paged session's own captured queries: the newest 8 minus the oldest 8, then numpy.
+    toks = _tokens(64 * 9 + 5, 34).tolist()
+
+    def want_from(x, base):
+        x = x.astype(np.float64)
+        x[: len(base)] -= base
+        spread = np.array([x[max(0, i - 3): i + 4].max() for i in range(len(x))])
+        return np.array([spread[c * 64: (c + 1) * 64].max() for c in range(-(-len(toks) // 64))])
+
+    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3)
+    assert pol.n_capture == 32
+    whole = kvflash.Session(tiny, max_ctx=4096, kvflash=4096, policy=pol, threads=1, verbose=False)
+    whole.prefill(toks)
+    rt = _core.Runtime(_core.Model(tiny, 1), max_ctx=4096, pool_tokens=4096, kv_type="q8_0", capture_queries=8)
+    rt.eval(np.asarray(toks[:-24], dtype=np.int32))
+    base = rt.history_attention(n_threads=1).astype(np.float64)
+    rt.eval(np.asarray(toks[-24:], dtype=np.int32))
+    np.testing.assert_allclose(pol.score(whole.chunk_view()), want_from(rt.history_attention(n_threads=1), base),
+                               rtol=1e-5, atol=1e-8)
+
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=pol, threads=1, verbose=False)
+    s.prefill(toks)
+    assert s.pager.stats["host_chunks"] > 0 and s.runtime.n_captured == 32
+    r = s.runtime
+    want = want_from(r.history_attention(q_first=24, q_count=8), r.history_attention(q_first=0, q_count=8))
+    np.testing.assert_allclose(pol.score(s.chunk_view()), want, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="peak"):
+        QKPolicy(contrast=8)          # contrast works on token scores only
+    with pytest.raises(ValueError, match="non-negative"):
+        QKPolicy(aggregate="peak", spread=-1)

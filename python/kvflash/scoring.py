@@ -38,29 +38,55 @@ class QKPolicy:
     sum_d max(q_d * min_d, q_d * max_d) (an upper bound of q . k in the chunk);
     ``"mean"`` the L2-normalised mean key.  Max over query heads, mean over layers.
     They read no history, but rank needles poorly on SmolLM2 (bench/results/needle).
+
+    ``aggregate="peak"`` scores the way the drafter does, with the target's own
+    queries: per token the attention the last ``n_queries`` pay it (max over heads
+    and layers), minus what the ``n_queries`` ending ``contrast`` tokens earlier pay
+    it (0: off), each token taking the peak of the ``spread`` tokens either side,
+    and a chunk its peak token.  The runtime then captures n_queries + contrast
+    queries.
     """
 
     MODES = ("keys", "bound", "mean")
 
-    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5, aggregate: str = "chunk"):
+    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5, aggregate: str = "chunk",
+                 contrast: int = 0, spread: int = 0):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
-        if not isinstance(n_queries, int) or not 1 <= n_queries <= 256:
+        if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 256:
             raise ValueError(f"n_queries must be an integer in [1, 256], got {n_queries!r}")
-        if aggregate not in ("chunk", "token"):
-            raise ValueError(f"qk aggregate must be 'chunk' or 'token', got {aggregate!r}")
+        if aggregate not in ("chunk", "token", "peak"):
+            raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
+        for what, v in (("contrast", contrast), ("spread", spread)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"qk {what} must be a non-negative token count (0: off), got {v!r}")
+            if v and (aggregate != "peak" or mode != "keys"):
+                raise ValueError(f"qk {what} works on token scores: use aggregate='peak' (mode 'keys') with it")
         self.mode = mode
         self.aggregate = aggregate
+        self.contrast, self.spread = contrast, spread
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
+        self.n_capture = self.n_queries + self.contrast   # queries the session's runtime must keep
         self.smooth_width = smooth_width
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
         rt = view.session.runtime
         if self.mode == "keys":
-            if self.aggregate == "chunk":
-                return rt.history_attention(per_chunk=True)[: view.n_chunks]
+            if self.aggregate == "chunk":   # the last n_queries captured (the runtime may keep more)
+                return rt.history_attention(per_chunk=True, q_first=max(0, rt.n_captured - self.n_queries))[
+                    : view.n_chunks]
+            if self.aggregate == "peak":
+                n_cap = rt.n_captured
+                first = max(0, n_cap - self.n_queries)
+                x = rt.history_attention(q_first=first, q_count=n_cap - first).astype(np.float64)
+                b0 = n_cap - self.n_queries - self.contrast
+                if self.contrast and b0 >= 0:   # the baseline: the queries ending `contrast` tokens earlier
+                    base = rt.history_attention(q_first=b0, q_count=self.n_queries)
+                    x[: len(base)] -= base
+                chunk_of = np.arange(len(x), dtype=np.int64) // view.chunk_tokens
+                return tokens_to_chunks(x, chunk_of, view.n_chunks, aggregate="max", spread=self.spread)
             tok_scores = rt.history_attention()
             return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
         return rt.qk_scores(self.mode)[: view.n_chunks]
@@ -85,6 +111,26 @@ def spread_max(x: np.ndarray, reach: int) -> np.ndarray:
     pad[reach: reach + x.size] = x
     win = np.lib.stride_tricks.sliding_window_view(pad, 2 * reach + 1)
     return win.max(axis=1).astype(x.dtype, copy=False)
+
+
+def tokens_to_chunks(tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int, *, aggregate: str = "max",
+                     spread: int = 0, smooth_width: int = 5) -> np.ndarray:
+    """Token scores to chunk scores (``chunk_of``: the chunk of each token): each token first takes the peak
+    of the ``spread`` tokens on either side, then a chunk scores its peak token (``aggregate="max"``) or
+    the mean of its smoothed tokens (``"mean"``)."""
+    n = min(len(tok_scores), len(chunk_of))
+    x, idx = spread_max(np.asarray(tok_scores[:n], dtype=np.float64), spread), np.asarray(chunk_of[:n])
+    if aggregate == "max":
+        # from -inf, not 0: with contrast most peaks are negative and must keep their order
+        out = np.full(n_chunks, -np.inf, dtype=np.float64)
+        np.maximum.at(out, idx, x)
+        empty = ~np.isfinite(out)   # no token starts in the chunk: rank it below every scored one
+        if empty.any():
+            out[empty] = (out[~empty].min() - 1.0) if (~empty).any() else 0.0
+    else:
+        x = smooth(x, smooth_width)
+        out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
+    return out.astype(np.float32)[:n_chunks]
 
 
 def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> np.ndarray:
@@ -309,20 +355,8 @@ class DrafterPolicy:
         return self._per_chunk(x, chunk_of, n_chunks)
 
     def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
-        """Token scores to chunk scores: the peak per chunk, or the smoothed mean."""
-        n = min(len(tok_scores), len(chunk_of))
-        x, idx = spread_max(tok_scores[:n].astype(np.float64), self.spread), chunk_of[:n]
-        if self.aggregate == "max":
-            # from -inf, not 0: with contrast most peaks are negative and must keep their order
-            out = np.full(n_chunks, -np.inf, dtype=np.float64)
-            np.maximum.at(out, idx, x)
-            empty = ~np.isfinite(out)   # no drafter token starts in the chunk: rank it below every scored one
-            if empty.any():
-                out[empty] = (out[~empty].min() - 1.0) if (~empty).any() else 0.0
-        else:
-            x = smooth(x, self.smooth_width)
-            out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
-        return out.astype(np.float32)[:n_chunks]
+        return tokens_to_chunks(tok_scores, chunk_of, n_chunks, aggregate=self.aggregate, spread=self.spread,
+                                smooth_width=self.smooth_width)
 
     def reset(self) -> None:
         if self._rt is not None:

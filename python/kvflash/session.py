@@ -179,7 +179,8 @@ class Session:
                                      host_path=None if host_path is None else str(host_path),
                                      seed=0 if seed is None else int(seed),
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
-                                     capture_queries=int(getattr(self.policy, "n_queries", 1)))
+                                     capture_queries=int(getattr(self.policy, "n_capture",
+                                                                 getattr(self.policy, "n_queries", 1))))
         self.seed = seed
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
@@ -189,6 +190,7 @@ class Session:
         self._since_rescore = 0
         self._rescores = 0
         self._rescore_s = 0.0
+        self.last_scores: Optional[np.ndarray] = None  # the chunk scores of the last rescore (a copy)
         self._prefill_s = 0.0
         self._decode_s = 0.0
         self._decoded = 0
@@ -325,7 +327,9 @@ class Session:
         scores = self.policy.score(self.chunk_view())
         moved = 0
         if scores is not None:
-            moved = self.pager.reselect(validate_scores(scores, n, self.policy.name))
+            scores = validate_scores(scores, n, self.policy.name)
+            self.last_scores = np.array(scores, dtype=np.float32, copy=True)
+            moved = self.pager.reselect(scores)
         self._rescores += 1
         self._rescore_s += time.perf_counter() - t0
         return moved
@@ -442,6 +446,7 @@ class Session:
         self._tokens.clear()
         self._last_logits = None
         self._since_rescore = 0
+        self.last_scores = None
         if hasattr(self.policy, "reset"):
             self.policy.reset()
 

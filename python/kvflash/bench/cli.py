@@ -25,7 +25,7 @@ PRESETS = {
         "paging": dict(repeats=2),
         "needle": dict(),
         "rescore": dict(contexts=[2048], repeats=1, policies=["qk", "drafter"]),
-        "ab": dict(),
+        "ab": dict(contexts=[1024], needles=5),  # ≥ 5 interleaved trials, 3 modes: ~4 min here
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -37,7 +37,7 @@ PRESETS = {
         "needle": dict(contexts=[4096, 8192], pools=[1024, 2048], needles=16),
         "rescore": dict(contexts=[8192], pools=[768], repeats=2, policies=["qk", "drafter"]),
         # ~75 min on 2 cores: each full-cache trial at 32K prefills 32K tokens (~20 min).
-        "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=2),
+        "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=5, control="kvflash"),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {
@@ -48,7 +48,7 @@ PRESETS = {
         "paging": dict(pools=[2048, 4096], repeats=5),
         "needle": dict(contexts=[8192, 16384, 32768], pools=[2048, 4096], needles=16),
         "rescore": dict(contexts=[8192, 32768], pools=[2048], repeats=2, policies=["qk", "drafter"]),
-        "ab": dict(contexts=[32768, 65536, 131072], needles=8),
+        "ab": dict(contexts=[32768, 65536, 131072], needles=8, control="kvflash"),
     },
 }
 
@@ -116,7 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", "-r", type=int, help="repeats per measurement (medians with min/max)")
     p.add_argument("--contexts", "-c", type=_int_list, help="context lengths, comma list (1024 or 1K)")
     p.add_argument("--steps", type=int, dest="decode_steps", help="decode steps timed per repeat")
-    p.add_argument("--needles", type=int, help="needle trials per cell")
+    p.add_argument("--needles", type=int, help="needle trials per cell (ab: the repeats, one trial each)")
+    p.add_argument("--split", choices=["reporting", "tuning"], default=None,
+                   help="needle prompts (needle, ab): reporting (default; held-out wordings and seeds, every "
+                        "committed figure) or tuning (the prompts policy parameters are chosen on)")
+    p.add_argument("--haystacks", type=_str_list, default=None,
+                   help="reporting haystacks, comma list of prose, ledger (default both; ab uses the first)")
+    p.add_argument("--prefill", dest="memory_prefill", action="store_true", default=None,
+                   help="memory: a real prefill of each cell's context (weights and compute buffers in the RSS) "
+                        "instead of driving the pager alone")
+    p.add_argument("--cells", dest="memory_cells", type=_str_list, default=None,
+                   help="memory: which cells, comma list of full, ram, file, auto (default all)")
+    p.add_argument("--rescore-periods", type=int, default=None,
+                   help="ab: decode window in rescore periods of a scored policy (default 4; the window is "
+                        "max(--steps, N x period + 1) tokens for every mode)")
+    p.add_argument("--control", choices=["full", "kvflash"], default=None,
+                   help="ab: the A/A control row's configuration (default: full in quick, kvflash in standard "
+                        "and long, where a second full cache at 32K+ would double the run)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -151,7 +167,10 @@ def config_for(args, routine: str) -> BenchConfig:
     cfg.tau = args.tau
     cfg.seed = args.seed
     for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
-                    ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths")]:
+                    ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths"),
+                    ("rescore_periods", "rescore_periods"), ("control", "control"), ("split", "split"),
+                    ("haystacks", "haystacks"), ("memory_prefill", "memory_prefill"),
+                    ("memory_cells", "memory_cells")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -160,10 +179,16 @@ def config_for(args, routine: str) -> BenchConfig:
 
 
 def _validate(p: argparse.ArgumentParser, args) -> None:
-    for k in ("threads", "repeats", "decode_steps", "needles", "tau"):
+    for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods"):
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    bad_c = [c for c in (args.memory_cells or []) if c not in ("full", "ram", "file", "auto")]
+    if bad_c or (args.memory_cells is not None and not args.memory_cells):
+        p.error(f"--cells: use full, ram, file, auto (got {args.memory_cells})")
+    bad_h = [h for h in (args.haystacks or []) if h not in ("prose", "ledger")]
+    if bad_h or (args.haystacks is not None and not args.haystacks):
+        p.error(f"--haystacks: use prose, ledger (got {args.haystacks})")
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")
@@ -223,7 +248,7 @@ def main(argv: Optional[list] = None) -> int:
               "preset": args.preset, "threads_used": threads_used, "elapsed_s": round(elapsed, 1),
               "routines": {c.routine: {k: v for k, v in dataclasses.asdict(c).items() if k != "quiet"} for c in cfgs}}
     first = dataclasses.asdict(cfgs[0])
-    for k in ("model", "threads", "kv_type", "policy", "drafter", "drafter_layers", "drafter_pool", "drafter_queries",
+    for k in ("model", "threads", "kv_type", "policy", "split", "haystacks", "drafter", "drafter_layers", "drafter_pool", "drafter_queries",
               "drafter_contrast", "drafter_spread", "tau", "seed"):
         config[k] = first[k]
     sys.stdout.write(report.render(args.output, results, config, machine))

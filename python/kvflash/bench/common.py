@@ -39,9 +39,15 @@ class BenchConfig:
     repeats: int = 2
     contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
     decode_steps: int = 16
+    rescore_periods: int = 4           # ab: the decode window spans this many rescore periods (+1 token)
+    control: str = "full"              # ab: the A/A control's configuration ("full" or "kvflash")
     needles: int = 2
     depths: list = dataclasses.field(default_factory=lambda: [10, 50, 90])
     answer_tokens: int = 12
+    memory_prefill: bool = False       # memory: a real prefill per cell instead of driving the pager alone
+    memory_cells: list = dataclasses.field(default_factory=lambda: ["full", "ram", "file", "auto"])
+    split: str = "reporting"           # needle prompts: "tuning" (parameter searches) or "reporting" (figures)
+    haystacks: list = dataclasses.field(default_factory=lambda: ["prose", "ledger"])  # reporting haystacks
     seed: int = 1234
     quiet: bool = False
 

@@ -1,8 +1,13 @@
 """Needle-in-a-haystack prompts: a passkey sentence at a depth of natural prose, asked for at the end.
 
-The haystack is haystack.txt (procedural prose, see _prose.py; it holds no digits).  A trial is
-fixed by its index: depth = depths[i % len(depths)], a wording, a 5-digit value and a starting
-sentence all drawn from a seeded RNG, so every mode (full, lru, drafter, qk) sees the same prompts.
+Two data splits, never mixed: **tuning** (what policy parameters were and may be chosen on:
+haystack.txt's procedural prose, the four TUNING_WORDINGS, trials drawn from `--seed`, 1234 by
+default) and **reporting** (what committed quality figures are measured on: two haystacks --
+"prose", the same procedural prose at other positions, and "ledger", town records full of numbers
+that can distract (_ledger.py) -- the REPORTING_WORDINGS, which no tuning run used, and trials drawn
+from a seed space of their own).  A trial is fixed by (split, haystack, seed, index): depth =
+depths[i % len(depths)], a wording, a 5-digit value absent from the rest of the prompt and a starting
+sentence, all from a seeded RNG, so every mode (full, lru, drafter, qk) sees the same prompts.
 """
 from __future__ import annotations
 
@@ -11,15 +16,34 @@ import random
 import re
 from typing import Optional
 
+from ._ledger import ledger_text
 from .common import haystack_text
 
-WORDINGS = [
-    ("The passkey is {v}. Remember it.", "What is the passkey mentioned in the text above?"),
-    ("Important note: the secret passkey is {v}.", "What is the secret passkey given in the text above?"),
-    ("Write this down, the pass key to the archive is {v}.", "What is the pass key to the archive?"),
-    ("The code that opens the vault, also called the passkey, is {v}.", "What is the passkey that opens the vault?"),
+# (needle, question, answer prefix).  Tuning: every drafter/qk parameter search so far ran on these.
+TUNING_WORDINGS = [
+    ("The passkey is {v}. Remember it.", "What is the passkey mentioned in the text above?", "The passkey is"),
+    ("Important note: the secret passkey is {v}.", "What is the secret passkey given in the text above?",
+     "The passkey is"),
+    ("Write this down, the pass key to the archive is {v}.", "What is the pass key to the archive?",
+     "The passkey is"),
+    ("The code that opens the vault, also called the passkey, is {v}.", "What is the passkey that opens the vault?",
+     "The passkey is"),
 ]
+# Reporting: held out from every tuning run.
+REPORTING_WORDINGS = [
+    ("One more thing to keep in mind: the magic number for the lighthouse is {v}.",
+     "What is the magic number for the lighthouse?", "The magic number for the lighthouse is"),
+    ("Among these notes is the combination of the captain's strongbox, which is {v}.",
+     "What is the combination of the captain's strongbox?", "The combination is"),
+    ("A reminder for the reader: the special verification figure is {v}.",
+     "What is the special verification figure mentioned in the text?", "The special verification figure is"),
+    ("The archivist's private reference, which you will be asked about, is {v}.",
+     "What is the archivist's private reference?", "The archivist's private reference is"),
+]
+WORDINGS = TUNING_WORDINGS  # older name
 ANSWER_PREFIX = "The passkey is"
+SPLITS = ("tuning", "reporting")
+HAYSTACKS = {"prose": haystack_text, "ledger": ledger_text}
 
 
 @dataclasses.dataclass
@@ -35,10 +59,18 @@ class Trial:
 class NeedleBuilder:
     """Builds prompts for one tokenizer; sentences are tokenized once and reused across contexts."""
 
-    def __init__(self, session, seed: int = 1234):
+    def __init__(self, session, seed: int = 1234, split: str = "tuning", haystack: str = "prose"):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if haystack not in HAYSTACKS:
+            raise ValueError(f"haystack must be one of {sorted(HAYSTACKS)}, got {haystack!r}")
+        if split == "tuning" and haystack != "prose":
+            raise ValueError("the tuning split has one haystack, 'prose'; the ledger haystack is reporting data")
         self.s = session
         self.seed = seed
-        text = haystack_text()
+        self.split, self.haystack = split, haystack
+        self.wordings = TUNING_WORDINGS if split == "tuning" else REPORTING_WORDINGS
+        text = HAYSTACKS[haystack]()
         paras = [p.strip() for p in text.split("\n\n") if p.strip()]
         sents: list[str] = []
         for p in paras:
@@ -49,26 +81,30 @@ class NeedleBuilder:
         self.sents = sents
         self.lens = [len(session.tokenize(x, add_special=False)) for x in sents]
 
-    def _render(self, body: str, question: str) -> list:
+    def _render(self, body: str, question: str, prefix: str = ANSWER_PREFIX) -> list:
         tok = self.s.tokenizer
         msgs = [{"role": "user", "content": body.strip() + "\n\n" + question + " Answer with the number only."}]
         if tok.chat_template:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True) + ANSWER_PREFIX
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True) + prefix
         else:  # a base model (e.g. gemma-3-270m's GGUF has no template): plain question and answer
-            text = msgs[0]["content"] + "\nAnswer: " + ANSWER_PREFIX
+            text = msgs[0]["content"] + "\nAnswer: " + prefix
         bos = tok.bos_id
         bos_text = tok.token_text(bos) if bos is not None else "\0"
         return self.s.tokenize(text, add_special=not text.startswith(bos_text), parse_special=True)
 
     def trial(self, i: int, n_tokens: int, depths: list) -> Trial:
         """Trial i as a prompt of at most n_tokens tokens."""
-        rng = random.Random(self.seed * 1000003 + i)
+        if self.split == "tuning":   # the tuning trials as every tuning run drew them
+            rng = random.Random(self.seed * 1000003 + i)
+        else:                        # a seed space of its own (str seeds hash the same in every process)
+            rng = random.Random(f"kvflash-reporting:{self.haystack}:{self.seed}:{i}")
         depth = depths[i % len(depths)]
         value = str(rng.randint(10000, 99999))
-        w = i % len(WORDINGS)
-        needle, question = WORDINGS[w][0].format(v=value), WORDINGS[w][1]
+        w = i % len(self.wordings)
+        tmpl, question, prefix = self.wordings[w]
         start = rng.randrange(len(self.sents))
-        overhead = len(self._render(needle, question))
+        needle = tmpl.format(v=value)
+        overhead = len(self._render(needle, question, prefix))
         budget = max(0, n_tokens - overhead - 8)
         for _ in range(6):
             picked, total, k = [], 0, start
@@ -85,9 +121,13 @@ class NeedleBuilder:
                     cut = j
                     break
                 acc += self.lens[idx]
+            rest = "".join(self.sents[x] for x in picked)
+            while value in rest:     # the ledger has 5-digit numbers: the passkey must occur once
+                value = str(rng.randint(10000, 99999))
+                needle = tmpl.format(v=value)
             body = "".join(self.sents[x] for x in picked[:cut]) + needle + " " + \
                    "".join(self.sents[x] for x in picked[cut:])
-            ids = self._render(body, question)
+            ids = self._render(body, question, prefix)
             if len(ids) <= n_tokens:
                 return Trial(i, depth, value, w, ids, needle_token=acc + overhead // 2)
             budget -= len(ids) - n_tokens + 16

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -223,7 +224,14 @@ def _memory_cell(cfg: BenchConfig, D: int, pool, host: str) -> dict:
         except Unavailable:
             s = open_session(cfg, max_ctx=D, pool=pool, policy="lru", **kw)
         pg = s.runtime.pager
-        if s.kvflash:
+        prefill_s = None
+        if cfg.memory_prefill:   # a real prefill: weights, compute buffers and all
+            toks = text_tokens(s, D)
+            t0 = time.perf_counter()
+            for i in range(0, D, 512):
+                s.prefill(toks[i:i + 512])
+            prefill_s = time.perf_counter() - t0
+        elif s.kvflash:
             C = pg.chunk_tokens
             for c0 in range(0, D, C):
                 if pg.alloc_span(c0, min(C, D - c0)) is None:
@@ -232,7 +240,8 @@ def _memory_cell(cfg: BenchConfig, D: int, pool, host: str) -> dict:
         return {"base": _base(cfg, s), "kvflash": s.kvflash, "pool_tokens": s.runtime.pool_tokens,
                 "chunk_bytes": pg.chunk_bytes, "chunk_tokens": pg.chunk_tokens, "stats": s.stats,
                 "pager_stats": pg.stats, "resident_bytes": kv_resident_bytes(s), "pool_bytes": s.runtime.pool_bytes,
-                "swa_bytes": s.runtime.swa_bytes, "auto_reason": s.auto_reason, "mem": mem}
+                "swa_bytes": s.runtime.swa_bytes, "auto_reason": s.auto_reason, "mem": mem,
+                "prefill_s": prefill_s}
     finally:
         if tmp:
             tmp.cleanup()
@@ -259,11 +268,14 @@ def run_memory(cfg: BenchConfig) -> Result:
                               ("kv_resident_mib", "KV resident MiB"), ("host_mib", "host used MiB"),
                               ("host_reserved_mib", "host reserved MiB"), ("rss_mib", "RSS MiB"),
                               ("rss_anon_mib", "RSS anon MiB"), ("rss_file_mib", "RSS file MiB"),
-                              ("rss_over_base_mib", "RSS over floor MiB"), ("resident_pct", "residency %"),
+                              ("rss_over_base_mib", "RSS over floor MiB"), ("prefill_s", "prefill s"),
+                              ("resident_pct", "residency %"),
                               ("bytes_per_token", "KV B/token"), ("vs_full", "resident vs full"),
                               ("anon_vs_full", "RSS anon vs full")])
     cells = [("full", None, "ram")] + [("kvflash", p, "ram") for p in cfg.pools] + \
             [("kvflash", p, "file") for p in cfg.pools] + [("kvflash auto", "auto", "ram")]
+    kind = lambda pool, host: "full" if pool is None else "auto" if pool == "auto" else host
+    cells = [c for c in cells if kind(c[1], c[2]) in cfg.memory_cells]
     work = 1 + len(ctxs) * len(cells)
     autos = []
     with Progress(work, "memory", cfg.quiet) as pb:
@@ -288,6 +300,7 @@ def run_memory(cfg: BenchConfig) -> Result:
                        "rss_mib": mem.get("VmRSS", 0) / MIB, "rss_anon_mib": mem.get("RssAnon", 0) / MIB,
                        "rss_file_mib": mem.get("RssFile", 0) / MIB,
                        "rss_over_base_mib": (mem.get("VmRSS", 0) - floor.get("VmRSS", 0)) / MIB,
+                       "prefill_s": c["prefill_s"],
                        "resident_pct": f"{100.0 * min(1.0, c['pool_tokens'] / D) if c['kvflash'] else 100.0:.1f}",
                        "bytes_per_token": cb // C if cb % C == 0 else cb / C,
                        "vs_full": None if full is None else f"{res_b / full['resident_bytes']:.3f}x",
@@ -306,9 +319,12 @@ def run_memory(cfg: BenchConfig) -> Result:
                   "the CPU backend this is RAM too",
                   "host used = KV bytes in the host store after the context's positions were written; host reserved "
                   "= the store's capacity (RAM, or file size with host=file)",
-                  "RSS: each cell in a fresh process, after its session was opened and the context's positions "
-                  "were written through the pager (no model compute: weights that compute would touch and the "
-                  "compute buffers are not in it); anon = RAM held, file = mapped file pages (model weights read "
+                  ("RSS: each cell in a fresh process, after its session was opened and a real prefill of the "
+                   "context's natural-text tokens (512-token pieces): weights, compute buffers and KV all in it; anon"
+                   if cfg.memory_prefill else
+                   "RSS: each cell in a fresh process, after its session was opened and the context's positions "
+                   "were written through the pager (no model compute: weights that compute would touch and the "
+                   "compute buffers are not in it); anon") + " = RAM held, file = mapped file pages (model weights read "
                   "so far, and the host store with host=file: page cache the kernel can drop); 'over floor' "
                   f"subtracts a process that only imported kvflash ({floor.get('VmRSS', 0) / MIB:.0f} MiB)",
                   "pools ≥ the context are skipped (they equal the full cache)"] + autos
@@ -336,9 +352,27 @@ def _bench_pager_module():
     return None
 
 
+def _llc_bytes() -> int:
+    """The largest CPU cache's size (bytes), from sysfs; 64 MiB when unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            txt = (d / "size").read_text().strip()
+            mult = {"K": 1024, "M": 2**20, "G": 2**30}.get(txt[-1:], 1)
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 64 * 2**20
+
+
 def run_paging(cfg: BenchConfig) -> Result:
-    """Page-out / page-in per 64-token chunk against a plain memcpy of the same bytes, and reselect cost,
-    on a standalone Pager with the model's KV geometry (all paged layers, K and V)."""
+    """Page-out / page-in per 64-token chunk, cold and warm, against a memcpy of the same bytes in the
+    same state, and reselect cost, on a standalone Pager with the model's KV geometry (all paged layers,
+    K and V).  Cold page-out: the first write into host memory never touched (page faults included);
+    warm page-out: a rewritten chunk evicted again into its host buffer.  Cold page-in: the chunk's host
+    bytes evicted from the CPU caches first (a buffer twice the last-level cache is streamed before each
+    recall); warm page-in: recalled right after its own eviction.  The memcpy rows copy the same bytes
+    from a buffer in the same state (flushed, or just written)."""
     import kvflash
     from kvflash.models import resolve_model
     m = kvflash.Model(str(resolve_model(cfg.model)), 1)
@@ -347,13 +381,20 @@ def run_paging(cfg: BenchConfig) -> Result:
     n_embd_k = hp["head_dim"] * hp["n_head_kv"]
     ext = _bench_pager_module()
     res = Result("paging", f"paging cost per 64-token chunk ({n_layers} layers × K+V, {cfg.kv_type}; "
-                 f"median ± spread over chunks × {cfg.repeats} repeats)",
+                 f"median ± spread over chunks × {cfg.repeats} repeats), cold and warm",
                  BASE_COLS + [("pool", "pool"), ("op", "op"), ("per", "per"), ("ms", "ms"),
-                              ("gib_s", "GiB/s"), ("vs_memcpy", "vs memcpy")])
+                              ("gib_s", "GiB/s"), ("vs_memcpy", "vs memcpy in the same state")])
     rng = np.random.default_rng(cfg.seed)
+    flush = np.ones(2 * _llc_bytes() // 8, dtype=np.int64)
+
+    def flush_caches():
+        flush[::8] += 1   # touches every cache line of a buffer twice the LLC
+
+    ops = ["page_out_cold", "page_out_warm", "page_in_cold", "page_in_warm", "memcpy_cold", "memcpy_warm",
+           "reselect", "reselect_per_chunk", "reselect_noop"]
     with Progress(len(cfg.pools) * cfg.repeats, "paging", cfg.quiet) as pb:
         for pool in cfg.pools:
-            samples = {"page_out": [], "page_out_warm": [], "page_in": [], "memcpy": [], "reselect": [], "reselect_per_chunk": []}
+            samples = {k: [] for k in ops}
             moved_all = []
             chunk_b = None
             for r in range(cfg.repeats):
@@ -362,7 +403,7 @@ def run_paging(cfg: BenchConfig) -> Result:
                                   kv_type=cfg.kv_type)
                 C = p.chunk_tokens
                 chunk_b = p.chunk_bytes
-                for layer in range(n_layers):   # touch the pool so first-touch faults are not timed
+                for layer in range(n_layers):   # touch the pool so its first-touch faults are not timed
                     p.k_rows(layer)[:] = rng.integers(0, 255, p.k_rows(layer).shape, dtype=np.uint8)
                     p.v_rows(layer)[:] = rng.integers(0, 255, p.v_rows(layer).shape, dtype=np.uint8)
                 n_fill = pool // C
@@ -370,32 +411,41 @@ def run_paging(cfg: BenchConfig) -> Result:
                     p.alloc_span(c * C, C)
                 table = p.chunk_table()
                 victims = [c for c in range(n_fill) if table["block"][c] >= 0 and not table["protected"][c]]
-                # page-out: dirty, never-paged chunks (a real copy each)
-                for c in victims:
+                for c in victims:   # cold page-out: dirty, never paged, host memory never touched
                     t0 = time.perf_counter_ns()
                     p.evict(c)
-                    samples["page_out"].append((time.perf_counter_ns() - t0) / 1e6)
-                # page-in: each into a block its eviction freed
-                for c in victims:
+                    samples["page_out_cold"].append((time.perf_counter_ns() - t0) / 1e6)
+                for c in victims:   # cold page-in: host bytes out of the CPU caches
+                    flush_caches()
                     t0 = time.perf_counter_ns()
                     ok = p.recall(c)
-                    samples["page_in"].append((time.perf_counter_ns() - t0) / 1e6)
-                    assert ok
-                # page-out again into host buffers already touched (steady state: rewrite, then evict)
-                for c in victims:
+                    samples["page_in_cold"].append((time.perf_counter_ns() - t0) / 1e6)
+                    if not ok:
+                        raise RuntimeError(f"recall of chunk {c} found no free block")
+                for c in victims:   # warm: rewrite, evict into the touched host buffer, recall at once
                     p.alloc_span(c * C, C)
                     t0 = time.perf_counter_ns()
                     p.evict(c)
-                    samples["page_out_warm"].append((time.perf_counter_ns() - t0) / 1e6)
+                    t1 = time.perf_counter_ns()
                     p.recall(c)
-                src = rng.integers(0, 255, chunk_b, dtype=np.uint8)
-                dst = np.empty_like(src)
-                np.copyto(dst, src)
-                for _ in range(max(8, len(victims))):
+                    t2 = time.perf_counter_ns()
+                    samples["page_out_warm"].append((t1 - t0) / 1e6)
+                    samples["page_in_warm"].append((t2 - t1) / 1e6)
+                srcs = [rng.integers(0, 255, chunk_b, dtype=np.uint8) for _ in range(4)]
+                dst = np.empty_like(srcs[0])
+                np.copyto(dst, srcs[0])
+                for i in range(max(8, len(victims))):
+                    src = srcs[i % len(srcs)]
+                    flush_caches()
                     t0 = time.perf_counter_ns()
                     np.copyto(dst, src)
-                    samples["memcpy"].append((time.perf_counter_ns() - t0) / 1e6)
-                # reselect: fill 4x the pool, then ask for ~20 chunks to swap (10 out, 10 in)
+                    t1 = time.perf_counter_ns()
+                    np.copyto(dst, src)
+                    t2 = time.perf_counter_ns()
+                    samples["memcpy_cold"].append((t1 - t0) / 1e6)
+                    samples["memcpy_warm"].append((t2 - t1) / 1e6)
+                # reselect: fill 4x the pool, then ask for ~20 chunks to swap (10 out, 10 in); then the same
+                # scores again (nothing moves: the bookkeeping alone)
                 for c in range(n_fill, max_ctx // C):
                     p.alloc_span(c * C, C)
                 for _ in range(3):
@@ -416,27 +466,41 @@ def run_paging(cfg: BenchConfig) -> Result:
                     samples["reselect"].append(ms)
                     samples["reselect_per_chunk"].append(ms / max(1, moved))
                     moved_all.append(moved)
+                    t0 = time.perf_counter_ns()
+                    again = p.reselect(scores)
+                    samples["reselect_noop"].append((time.perf_counter_ns() - t0) / 1e6)
+                    if again:
+                        raise RuntimeError(f"a repeated reselect moved {again} chunks")
                 p.check_invariants()
                 pb.advance(1, note=f"pool {pool}")
-            mc = summarize(samples["memcpy"])
             gib = lambda ms: chunk_b / 2**30 / (ms / 1e3) if ms else None
-            for op, per in [("page_out", "chunk"), ("page_out_warm", "chunk"), ("page_in", "chunk"), ("memcpy", "chunk"),
-                            ("reselect", f"~{int(np.median(moved_all))} chunks moved"),
-                            ("reselect_per_chunk", "chunk moved")]:
+            base_of = {"page_out_cold": "memcpy_cold", "page_in_cold": "memcpy_cold", "page_out_warm": "memcpy_warm",
+                       "page_in_warm": "memcpy_warm"}
+            for op in ops:
+                per = ("chunk" if not op.startswith("reselect") else
+                       f"~{int(np.median(moved_all))} chunks moved" if op == "reselect" else
+                       "chunk moved" if op == "reselect_per_chunk" else "call, nothing moved")
                 st = summarize(samples[op])
                 row = {**_base(cfg), "pool": pool, "op": op, "per": per, "ms": st}
                 if per == "chunk":
                     row["gib_s"] = gib(st["median"])
-                    row["vs_memcpy"] = f"{st['median'] / mc['median']:.2f}x" if mc["median"] else None
+                    if op in base_of:
+                        mc = summarize(samples[base_of[op]])
+                        row["vs_memcpy"] = f"{st['median'] / mc['median']:.2f}x" if mc["median"] else None
                 res.rows.append(row)
                 res.raw += [{**_base(cfg), "pool": pool, "op": op, "ms": v} for v in samples[op]]
-    res.notes += [f"chunk = {chunk_b} bytes ({chunk_b / 2**20:.2f} MiB); page-out of a dirty chunk, page-in "
-                  "into a free block; memcpy = numpy copy of the same byte count between warm buffers",
-                  "timed from Python around one native call (~1 µs of call overhead included)",
-                  "page_out: first eviction into fresh host slab memory (page faults included); page_out_warm: a rewritten "
-                  "chunk evicted again into its existing host buffer",
-                  "reselect: up to 10 low-scored resident chunks out and as many high-scored host chunks in (a pool has "
-                  "only pool/64 - 6 unprotected blocks)"]
+    res.notes += [f"chunk = {chunk_b} bytes ({chunk_b / 2**20:.2f} MiB), timed from Python around one native call "
+                  "(~1 µs of call overhead included)",
+                  "page_out_cold: first eviction of a dirty chunk into host memory never touched (page faults "
+                  "included); page_out_warm: a rewritten chunk evicted again into its existing host buffer",
+                  f"page_in_cold: recall after a {flush.nbytes // 2**20} MiB buffer (2x the last-level cache) was "
+                  "streamed, so the host bytes come from DRAM; page_in_warm: recall right after the chunk's own "
+                  "eviction (its bytes still cached)",
+                  "memcpy_cold / memcpy_warm: numpy copy of the same byte count, source flushed from the caches / "
+                  "just copied; each pager row is set against the memcpy in the same state",
+                  "reselect: up to 10 low-scored resident chunks out and as many high-scored host chunks in (a pool "
+                  "has only pool/64 - 6 unprotected blocks); reselect_noop: the same scores again, nothing moves "
+                  "(the bookkeeping alone)"]
     if ext is not None:
         res.notes.append(f"bench_pager.py found at {getattr(ext, '__file__', '?')}: run it for the pager "
                          f"micro-benchmarks it adds")
@@ -464,13 +528,20 @@ def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bo
     return sessions, na
 
 
-def _answer(s, ids: list, n: int) -> tuple[str, float]:
+def _answer(s, ids: list, n: int) -> tuple:
+    """Fresh prefill of ids, then a greedy answer: (text, prefill seconds, snap) where snap is None, or
+    (scores, protected, resident) as the prompt's rescore left them (before the answer is decoded)."""
     s.reset()
     t0 = time.perf_counter()
     s.prefill(ids)
     dt = time.perf_counter() - t0
+    scores = None
+    if s.last_scores is not None:
+        table = s.pager.chunk_table()
+        n = len(s.last_scores)
+        scores = (s.last_scores, table["protected"][:n].copy(), table["block"][:n] >= 0)
     text = "".join(s.generate(None, max_tokens=n, temperature=0.0, stop=["\n"]))
-    return text, dt
+    return text, dt, scores
 
 
 def _passkey_chunk(s, ids: list, value: str) -> Optional[int]:
@@ -482,58 +553,88 @@ def _passkey_chunk(s, ids: list, value: str) -> Optional[int]:
     return int(np.searchsorted(ends, off, side="right")) // s.chunk_tokens
 
 
+def rank_of(scores: np.ndarray, protected: np.ndarray, chunk: int) -> int:
+    """0-based rank of `chunk` among the chunks a policy chooses from (not protected: not the sink, not
+    the tail window), best score first, ties in chunk order; -1 when the chunk is protected."""
+    cand = np.where(~np.asarray(protected[:len(scores)], dtype=bool))[0]
+    order = cand[np.argsort(-np.asarray(scores)[cand], kind="stable")]
+    hit = np.where(order == chunk)[0]
+    return int(hit[0]) if len(hit) else -1
+
+
 def _trials_for(cfg, builder, D, reserve):
     return [builder.trial(i, D - reserve, cfg.depths) for i in range(cfg.needles)]
 
 
+def _split_note(cfg: BenchConfig, haystacks: list) -> str:
+    if cfg.split == "tuning":
+        return (f"TUNING data (split tuning, seed {cfg.seed}): the prompts policy parameters were chosen on; "
+                f"not a result")
+    return (f"reporting data (split reporting, seed {cfg.seed}, haystacks {', '.join(haystacks)}; wordings held out "
+            f"from every tuning run): prose = procedural prose without digits, ledger = town records full of "
+            f"3-6 digit numbers and codes")
+
+
 def run_needle(cfg: BenchConfig) -> Result:
-    """Recall of a passkey at depths of a natural-text haystack: full cache, then each policy at each pool,
-    on the same prompts; greedy answer through the chat template, scored exact."""
+    """Recall of a passkey at depths of a haystack: full cache, then each policy at each pool, on the same
+    prompts; greedy answer through the chat template, scored exact.  Per scored policy, the passkey
+    chunk's rank under the prompt's rescore is recorded (rank < free slots: the policy kept it)."""
     ctxs = sorted(set(cfg.contexts))
     modes = _needle_modes(cfg)
-    res = Result("needle", f"needle-in-a-haystack recall (passkey, depths {'/'.join(map(str, cfg.depths))}%, "
-                 f"{cfg.needles} per cell)",
-                 BASE_COLS + [("context", "context"), ("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
-                              ("residency", "residency %"), ("needle", f"needle /{cfg.needles}"),
+    hays = list(cfg.haystacks) if cfg.split == "reporting" else ["prose"]
+    res = Result("needle", f"needle-in-a-haystack recall ({cfg.split} split, depths "
+                 f"{'/'.join(map(str, cfg.depths))}%, {cfg.needles} per cell and haystack)",
+                 BASE_COLS + [("context", "context"), ("haystack", "haystack"), ("mode", "mode"), ("pool", "pool"),
+                              ("policy", "policy"), ("residency", "residency %"), ("needle", f"needle /{cfg.needles}"),
                               ("by_depth", "by depth"), ("resident", "passkey chunk resident"),
-                              ("prefill_s", "prefill s")])
-    builder = None
+                              ("ranks", "passkey chunk rank per trial (free slots)"), ("prefill_s", "prefill s")])
     notes = set()
-    with Progress(len(ctxs) * cfg.needles * len(modes), "needle", cfg.quiet) as pb:
+    builders: dict = {}
+    with Progress(len(ctxs) * len(hays) * cfg.needles * len(modes), "needle", cfg.quiet) as pb:
         for D in ctxs:
             sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=True)
             if not sessions:
                 raise RuntimeError("no mode could be opened")
             any_s = next(iter(sessions.values()))
-            builder = builder or NeedleBuilder(any_s, cfg.seed)
-            trials = _trials_for(cfg, builder, D, cfg.answer_tokens + 1)
-            pb.advance(cfg.needles * len(na))
-            for t in trials:
-                for m, s in sessions.items():
-                    pb.note(f"{ctx_label(D)} {m[0]} {m[1] or ''} {m[2] or ''} depth {t.depth}%")
-                    ans, dt = _answer(s, t.ids, cfg.answer_tokens)
-                    ok = score(ans, t.value)
-                    st = s.stats
-                    c = _passkey_chunk(s, t.ids, t.value)
-                    kept = None if m[1] is None or c is None else bool(s.pager.chunk_table()["block"][c] >= 0)
-                    res.raw.append({**_base(cfg, s), "context": D, "mode": m[0], "pool": m[1],
-                                    "policy": s.policy.name if m[1] else None, "trial": t.index, "depth": t.depth,
-                                    "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
-                                    "prefill_s": dt, "residency_pct": st["residency_pct"],
-                                    "page_outs": st["page_outs"], "page_ins": st["page_ins"],
-                                    "rescores": st["rescores"], "passkey_chunk": c, "passkey_resident": kept})
-                    pb.advance(1, note=f"{ctx_label(D)} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
-            for m in modes:
-                row = {**_base(cfg, any_s), "context": D, "mode": m[0], "pool": "-" if m[1] is None else m[1],
-                       "policy": "-" if m[1] is None else m[2],
-                       "residency": 100.0 if m[1] is None else round(100.0 * min(1.0, m[1] / D), 1)}
-                if m in na:
-                    row["needle"] = "n/a"
-                    row["by_depth"] = na[m]
-                    notes.add(f"{m[2]}: {na[m]}")
-                else:
-                    rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]
-                          and (m[1] is None or x["policy"] == sessions[m].policy.name)]
+            for hay in hays:
+                if hay not in builders:
+                    builders[hay] = NeedleBuilder(any_s, cfg.seed, split=cfg.split, haystack=hay)
+                trials = _trials_for(cfg, builders[hay], D, cfg.answer_tokens + 1)
+                pb.advance(cfg.needles * len(na))
+                for t in trials:
+                    for m, s in sessions.items():
+                        pb.note(f"{ctx_label(D)} {hay} {m[0]} {m[1] or ''} {m[2] or ''} depth {t.depth}%")
+                        ans, dt, scores = _answer(s, t.ids, cfg.answer_tokens)
+                        ok = score(ans, t.value)
+                        st = s.stats
+                        c = _passkey_chunk(s, t.ids, t.value)
+                        kept = None if m[1] is None or c is None else bool(s.pager.chunk_table()["block"][c] >= 0)
+                        rank = free = None
+                        if m[1] is not None and scores is not None and c is not None:
+                            sc, prot, resident = scores
+                            rank = rank_of(sc, prot, c)
+                            free = int(s.pager.n_blocks - np.count_nonzero(prot & resident))
+                        res.raw.append({**_base(cfg, s), "context": D, "split": cfg.split, "haystack": hay,
+                                        "mode": m[0], "pool": m[1], "policy": s.policy.name if m[1] else None,
+                                        "trial": t.index, "depth": t.depth, "wording": t.wording,
+                                        "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
+                                        "prefill_s": dt, "residency_pct": st["residency_pct"],
+                                        "page_outs": st["page_outs"], "page_ins": st["page_ins"],
+                                        "rescores": st["rescores"], "passkey_chunk": c, "passkey_resident": kept,
+                                        "passkey_rank": rank, "free_slots": free})
+                        pb.advance(1, note=f"{ctx_label(D)} {hay} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
+                for m in modes:
+                    row = {**_base(cfg, any_s), "context": D, "haystack": hay, "mode": m[0],
+                           "pool": "-" if m[1] is None else m[1], "policy": "-" if m[1] is None else m[2],
+                           "residency": 100.0 if m[1] is None else round(100.0 * min(1.0, m[1] / D), 1)}
+                    if m in na:
+                        row["needle"] = "n/a"
+                        row["by_depth"] = na[m]
+                        notes.add(f"{m[2]}: {na[m]}")
+                        res.rows.append(row)
+                        continue
+                    rr = [x for x in res.raw if x["context"] == D and x["haystack"] == hay and x["mode"] == m[0]
+                          and x["pool"] == m[1] and (m[1] is None or x["policy"] == sessions[m].policy.name)]
                     rr = rr[-cfg.needles:]
                     row["needle"] = f"{sum(x['correct'] for x in rr)}/{len(rr)}"
                     row["by_depth"] = " ".join(
@@ -545,71 +646,111 @@ def run_needle(cfg: BenchConfig) -> Result:
                         hit = sum(1 for x in kk if x["passkey_resident"] and x["correct"])
                         row["resident"] = (f"{sum(x['passkey_resident'] for x in kk)}/{len(kk)} "
                                            f"(answered {hit})")
+                        rk = [x for x in rr if x["passkey_rank"] is not None]
+                        if rk:
+                            row["ranks"] = " ".join("p" if x["passkey_rank"] < 0 else str(x["passkey_rank"])
+                                                    for x in rk) + f" ({rk[-1]['free_slots']})"
                     if sessions[m].bench_fallback:
                         row["policy"] = f"{m[2]}→{sessions[m].policy.name}"
-                res.rows.append(row)
+                    res.rows.append(row)
             del sessions
-    res.notes += [f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
-                  f"stop at newline); the assistant turn is primed with \"The passkey is\"",
-                  "haystack: procedural public-domain prose shipped as kvflash/bench/haystack.txt (see _prose.py)",
+    res.notes += [_split_note(cfg, hays),
+                  f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
+                  f"stop at newline); the assistant turn is primed with the wording's answer prefix",
                   "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there",
                   "passkey chunk resident: after the answer, the chunk holding the passkey's first digit holds "
-                  "a pool block (a policy that kept it and still missed met the model's limit, not its own)"]
+                  "a pool block (a policy that kept it and still missed met the model's limit, not its own)",
+                  "rank: where the prompt's rescore put the passkey chunk among the chunks the policy chooses from "
+                  "(0 = best; p = protected, i.e. in the sink or tail window); the number in brackets is the free "
+                  "slots (pool blocks not held by protected chunks): rank < free slots means kept"]
     res.notes += sorted(notes)
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
     return res
 
 
+def _decode_window(cfg: BenchConfig, D: int) -> int:
+    """Tokens timed per ab trial: at least decode_steps, and rescore_periods whole rescore periods of a
+    scored policy at this context (+1, so the last period's rescore falls inside the window)."""
+    period = max(cfg.tau, D // 45)
+    return max(cfg.decode_steps, cfg.rescore_periods * period + 1)
+
+
+def _spread(xs: list) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
+
+
 def run_ab(cfg: BenchConfig) -> Result:
-    """The headline table: per context, full cache vs kvflash (first --pool, --policy): prefill s, decode
-    tok/s, needle /N and KV resident, from the same trials (each trial: fresh prefill of a needle prompt,
-    the greedy answer, then decode_steps timed at that context), interleaved full/kvflash per trial."""
+    """The headline table: per context, full cache vs kvflash (first --pool, --policy), and an A/A control
+    (a second session of the --control configuration, run the same way): prefill s, decode tok/s over a
+    window that pays for the policy's rescoring, needle /N and KV resident, from the same trials.  Each
+    trial: a fresh prefill of a needle prompt, the greedy answer, then the decode window timed through
+    generate(); the modes run interleaved per trial (order rotated), and the ratios are per trial, so a
+    drift of the machine hits both sides of each ratio."""
     ctxs = sorted(set(cfg.contexts))
     pool = cfg.pools[0]
-    modes = [("full", None, None), ("kvflash", pool, cfg.policy)]
-    res = Result("ab", f"full cache vs kvflash (pool {pool}, policy {cfg.policy}): median ± spread over "
-                 f"{cfg.needles} trials",
+    ctl = ("control", None, None) if cfg.control == "full" else ("control", pool, cfg.policy)
+    modes = [("full", None, None), ctl, ("kvflash", pool, cfg.policy)]
+    res = Result("ab", f"full cache vs kvflash (pool {pool}, policy {cfg.policy}) with an A/A control "
+                 f"({cfg.control} vs {cfg.control}): median ± spread over {cfg.needles} interleaved trials",
                  BASE_COLS + [("context", "context"), ("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
                               ("prefill_s", "prefill s"), ("decode_tok_s", "decode tok/s"),
-                              ("needle", f"needle /{cfg.needles}"), ("kv_resident_mib", "KV resident MiB"),
-                              ("host_mib", "host MiB"), ("speed_ratio", "decode kvflash/full"),
-                              ("prefill_ratio", "prefill full/kvflash")])
+                              ("window", "tokens timed"), ("rescores", "rescores in window"),
+                              ("rescore_share", "rescore % of window"), ("needle", f"needle /{cfg.needles}"),
+                              ("kv_resident_mib", "KV resident MiB"), ("host_mib", "host MiB"),
+                              ("speed_ratio", "decode ratio (median, min-max)"),
+                              ("prefill_ratio", "prefill ratio (median, min-max)")])
     builder = None
     notes = []
     with Progress(len(ctxs) * cfg.needles * len(modes), "ab", cfg.quiet) as pb:
         for D in ctxs:
+            n_dec = _decode_window(cfg, D)
             sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=False)
             any_s = next(iter(sessions.values()))
-            builder = builder or NeedleBuilder(any_s, cfg.seed)
-            trials = _trials_for(cfg, builder, D, cfg.answer_tokens + cfg.decode_steps + 2)
+            builder = builder or NeedleBuilder(any_s, cfg.seed, split=cfg.split,
+                                               haystack=cfg.haystacks[0] if cfg.split == "reporting" else "prose")
+            trials = _trials_for(cfg, builder, D, cfg.answer_tokens + n_dec + 2)
             pb.advance(cfg.needles * len(na))
             for t in trials:
                 order = list(sessions.items())
-                if t.index % 2:
-                    order.reverse()
+                k = t.index % len(order)
+                order = order[k:] + order[:k]   # each mode takes each place in turn
                 for m, s in order:
                     pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: prefill")
-                    ans, dt = _answer(s, t.ids, cfg.answer_tokens)
+                    ans, dt, _ = _answer(s, t.ids, cfg.answer_tokens)
                     ctx0 = s.n_past
-                    pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: decode")
-                    ddt, cms = decode_steps(s, cfg.decode_steps)
+                    st0 = s.stats
+                    pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: decode {n_dec}")
+                    ddt, cms = decode_steps(s, n_dec)
                     st = s.stats
                     ok = score(ans, t.value)
+                    resc_ms = st["rescore_ms"] - st0["rescore_ms"]
                     res.raw.append({**_base(cfg, s), "context": D, "mode": m[0], "pool": m[1],
                                     "policy": s.policy.name if m[1] else None, "trial": t.index, "depth": t.depth,
                                     "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
-                                    "prefill_s": dt, "decode_ctx": ctx0, "decode_s": ddt,
-                                    "decode_tok_s": cfg.decode_steps / ddt, "compute_ms": cms,
+                                    "prefill_s": dt, "decode_ctx": ctx0, "decode_tokens": n_dec, "decode_s": ddt,
+                                    "decode_tok_s": n_dec / ddt, "compute_ms": cms,
+                                    "window_rescores": st["rescores"] - st0["rescores"], "window_rescore_ms": resc_ms,
                                     "kv_resident_bytes": kv_resident_bytes(s), "host_bytes": int(st["host_kv_mib"] * MIB),
                                     "page_outs": st["page_outs"], "page_ins": st["page_ins"],
                                     "rescores": st["rescores"]})
-                    pb.advance(1, note=f"{ctx_label(D)} {m[0]}: {cfg.decode_steps / ddt:.1f} tok/s, "
+                    pb.advance(1, note=f"{ctx_label(D)} {m[0]}: {n_dec / ddt:.1f} tok/s, "
                                        f"{'ok' if ok else 'miss'}")
-            full = {}
+            by = {m: {x["trial"]: x for x in res.raw if x["context"] == D and x["mode"] == m[0]} for m in modes}
+
+            def paired(m, key, inv=False):   # per-trial ratio m / full (full / m when inv)
+                out = []
+                for i, x in by[m].items():
+                    f = by[modes[0]].get(i)
+                    if f and x[key] and f[key]:
+                        out.append(f[key] / x[key] if inv else x[key] / f[key])
+                return out
+
+            ratios = {}
             for m in modes:
-                row = {**_base(cfg, any_s), "context": D, "mode": m[0], "pool": "-" if m[1] is None else m[1],
-                       "policy": "-" if m[1] is None else m[2]}
+                row = {**_base(cfg, any_s), "context": D, "mode": "full (A/A control)" if m is ctl and ctl[1] is None
+                       else "kvflash (A/A control)" if m is ctl else m[0],
+                       "pool": "-" if m[1] is None else m[1], "policy": "-" if m[1] is None else m[2]}
                 if m in na:
                     row["decode_tok_s"] = f"n/a: {na[m]}"
                     res.rows.append(row)
@@ -618,23 +759,48 @@ def run_ab(cfg: BenchConfig) -> Result:
                 if m[1] is not None and s.bench_fallback:
                     row["policy"] = f"{m[2]}→{s.policy.name}"
                     notes.append(f"policy {m[2]!r} fell back: {s.banner.splitlines()[0]}")
-                rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0]]
+                rr = list(by[m].values())
+                wall = sum(x["decode_s"] for x in rr)
                 row.update(prefill_s=summarize(x["prefill_s"] for x in rr),
-                           decode_tok_s=summarize(x["decode_tok_s"] for x in rr),
+                           decode_tok_s=summarize(x["decode_tok_s"] for x in rr), window=n_dec,
+                           rescores=summarize(x["window_rescores"] for x in rr),
+                           rescore_share=f"{100 * sum(x['window_rescore_ms'] for x in rr) / 1e3 / wall:.1f}%"
+                           if wall else None,
                            needle=f"{sum(x['correct'] for x in rr)}/{len(rr)}",
                            kv_resident_mib=rr[-1]["kv_resident_bytes"] / MIB, host_mib=rr[-1]["host_bytes"] / MIB)
-                if m[1] is None:
-                    full = row
-                else:
-                    row["speed_ratio"] = _ratio(row["decode_tok_s"], full.get("decode_tok_s"))
-                    row["prefill_ratio"] = _ratio(full.get("prefill_s"), row["prefill_s"])
+                if m is not modes[0]:
+                    # per trial: the control over full when the control is the full cache, the control over
+                    # kvflash when it is kvflash; kvflash over full
+                    if m is ctl and ctl[1] is not None:
+                        dr = [by[m][i]["decode_tok_s"] / by[modes[2]][i]["decode_tok_s"] for i in by[m] if i in by[modes[2]]]
+                        pr = [by[modes[2]][i]["prefill_s"] / by[m][i]["prefill_s"] for i in by[m] if i in by[modes[2]]]
+                    else:
+                        dr, pr = paired(m, "decode_tok_s"), paired(m, "prefill_s", inv=True)
+                    ratios[m] = (dr, pr)
+                    if dr:
+                        row["speed_ratio"] = f"{statistics.median(dr):.2f}x ({_spread(dr)})"
+                        row["prefill_ratio"] = f"{statistics.median(pr):.2f}x ({_spread(pr)})"
                 res.rows.append(row)
+            kv = modes[2]
+            if kv in ratios and ctl in ratios and ratios[kv][0] and ratios[ctl][0]:
+                dr, cr = ratios[kv][0], ratios[ctl][0]
+                outside = min(dr) > max(cr) or max(dr) < min(cr)
+                verdict = ("outside the control's spread: a real difference" if outside else
+                           "overlaps the control's spread: not a measured difference")
+                notes.append(f"{ctx_label(D)}: decode kvflash/full {statistics.median(dr):.2f}x ({_spread(dr)}) vs "
+                             f"A/A {statistics.median(cr):.2f}x ({_spread(cr)}) — {verdict}")
             del sessions
-    res.notes += [f"each trial: fresh prefill of a needle prompt filling the context, greedy answer "
-                  f"(≤ {cfg.answer_tokens} tokens), then {cfg.decode_steps} decode steps timed at that depth; "
-                  f"full cache allocated at max_ctx = context",
-                  "needle scored exact (digits in the answer); depths " + "/".join(map(str, cfg.depths)) + "%"]
-    res.notes += sorted(set(notes))
+    res.notes += [f"each trial: fresh prefill of a needle prompt, greedy answer (≤ {cfg.answer_tokens} tokens), then "
+                  f"a decode window timed through generate() (max({cfg.decode_steps} steps, {cfg.rescore_periods} "
+                  f"rescore periods + 1); a scored policy rescores every max(tau, history/45) tokens, and that time "
+                  f"is inside the window and in its tok/s); the full cache is allocated at max_ctx = context",
+                  f"A/A control: a second session of the {cfg.control} configuration, run the same way in the same "
+                  f"trials; its ratio's spread is the noise floor (a speedup counts only outside it); ratios are "
+                  f"per trial (paired), the {'control over full' if cfg.control == 'full' else 'control over kvflash'} "
+                  f"for the control row",
+                  "needle scored exact (digits in the answer); depths " + "/".join(map(str, cfg.depths)) + "%; " +
+                  _split_note(cfg, cfg.haystacks[:1] if cfg.split == "reporting" else ["prose"])]
+    res.notes += list(dict.fromkeys(notes))
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
     return res
