@@ -570,9 +570,10 @@ def _split_note(cfg: BenchConfig, haystacks: list) -> str:
     if cfg.split == "tuning":
         return (f"TUNING data (split tuning, seed {cfg.seed}): the prompts policy parameters were chosen on; "
                 f"not a result")
+    what = {"prose": "prose = procedural prose without digits",
+            "ledger": "ledger = town records full of 3-6 digit numbers and codes"}
     return (f"reporting data (split reporting, seed {cfg.seed}, haystacks {', '.join(haystacks)}; wordings held out "
-            f"from every tuning run): prose = procedural prose without digits, ledger = town records full of "
-            f"3-6 digit numbers and codes")
+            f"from every tuning run): " + "; ".join(what[h] for h in haystacks))
 
 
 def run_needle(cfg: BenchConfig) -> Result:
