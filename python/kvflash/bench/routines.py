@@ -369,7 +369,8 @@ def run_paging(cfg: BenchConfig) -> Result:
     """Page-out / page-in per 64-token chunk, cold and warm, against a memcpy of the same bytes in the
     same state, and reselect cost, on a standalone Pager with the model's KV geometry (all paged layers,
     K and V).  Cold page-out: the first write into host memory never touched (page faults included);
-    warm page-out: a rewritten chunk evicted again into its host buffer.  Cold page-in: the chunk's host
+    warm page-out: a rewritten chunk evicted again into its touched host buffer (both page-outs read the
+    pool rows from DRAM, as evicting an old chunk does).  Cold page-in: the chunk's host
     bytes evicted from the CPU caches first (a buffer twice the last-level cache is streamed before each
     recall); warm page-in: recalled right after its own eviction.  The memcpy rows copy the same bytes
     from a buffer in the same state (flushed, or just written)."""
@@ -424,6 +425,7 @@ def run_paging(cfg: BenchConfig) -> Result:
                         raise RuntimeError(f"recall of chunk {c} found no free block")
                 for c in victims:   # warm: rewrite, evict into the touched host buffer, recall at once
                     p.alloc_span(c * C, C)
+                    flush_caches()   # an evicted chunk is an old one: its pool rows come from DRAM
                     t0 = time.perf_counter_ns()
                     p.evict(c)
                     t1 = time.perf_counter_ns()
@@ -474,7 +476,7 @@ def run_paging(cfg: BenchConfig) -> Result:
                 p.check_invariants()
                 pb.advance(1, note=f"pool {pool}")
             gib = lambda ms: chunk_b / 2**30 / (ms / 1e3) if ms else None
-            base_of = {"page_out_cold": "memcpy_cold", "page_in_cold": "memcpy_cold", "page_out_warm": "memcpy_warm",
+            base_of = {"page_out_cold": "memcpy_cold", "page_in_cold": "memcpy_cold", "page_out_warm": "memcpy_cold",
                        "page_in_warm": "memcpy_warm"}
             for op in ops:
                 per = ("chunk" if not op.startswith("reselect") else
@@ -492,12 +494,14 @@ def run_paging(cfg: BenchConfig) -> Result:
     res.notes += [f"chunk = {chunk_b} bytes ({chunk_b / 2**20:.2f} MiB), timed from Python around one native call "
                   "(~1 µs of call overhead included)",
                   "page_out_cold: first eviction of a dirty chunk into host memory never touched (page faults "
-                  "included); page_out_warm: a rewritten chunk evicted again into its existing host buffer",
+                  "included); page_out_warm: a rewritten chunk evicted again into its existing host buffer; both "
+                  "read the pool rows from DRAM (caches flushed first, as for an old chunk) and are set against "
+                  "memcpy_cold",
                   f"page_in_cold: recall after a {flush.nbytes // 2**20} MiB buffer (2x the last-level cache) was "
                   "streamed, so the host bytes come from DRAM; page_in_warm: recall right after the chunk's own "
                   "eviction (its bytes still cached)",
-                  "memcpy_cold / memcpy_warm: numpy copy of the same byte count, source flushed from the caches / "
-                  "just copied; each pager row is set against the memcpy in the same state",
+                  "memcpy_cold / memcpy_warm: numpy copy of the same byte count into a touched buffer, source "
+                  "flushed from the caches / just copied (both ends cached); page_in_warm is set against memcpy_warm",
                   "reselect: up to 10 low-scored resident chunks out and as many high-scored host chunks in (a pool "
                   "has only pool/64 - 6 unprotected blocks); reselect_noop: the same scores again, nothing moves "
                   "(the bookkeeping alone)"]
