@@ -176,9 +176,10 @@ class DrafterPolicy:
     peak score of the R tokens on either side of it before the per-chunk
     aggregation: a fact is read from the words around the one the queries look at
     ("... the passkey is" attends to "passkey", the answer is the digits after
-    it), and that span may cross a chunk edge.  On the bench's 8K needles (Gemma-3
-    target, SmolLM2 drafter, 6 free slots) the defaults keep the passkey chunk in
-    16/16 trials; without contrast and spread (8 queries) in 9/16.
+    it), and that span may cross a chunk edge.  These defaults were chosen on the
+    bench's tuning prompts (8K, Gemma-3 target, SmolLM2 drafter: passkey chunk kept
+    in 16/16 there, 9/16 with 8 queries and neither); on held-out prompts see
+    bench/results/*-reporting.
 
     ``pool`` pages the drafter's own cache the way the target's is paged: every
     key and value of the history is kept (bit-exact, the cold chunks in host
