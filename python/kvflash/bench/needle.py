@@ -40,7 +40,6 @@ REPORTING_WORDINGS = [
     ("The archivist's private reference, which you will be asked about, is {v}.",
      "What is the archivist's private reference?", "The archivist's private reference is"),
 ]
-WORDINGS = TUNING_WORDINGS  # older name
 ANSWER_PREFIX = "The passkey is"
 SPLITS = ("tuning", "reporting")
 HAYSTACKS = {"prose": haystack_text, "ledger": ledger_text}
