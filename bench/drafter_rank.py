@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=4, help="tail window chunks (the session's default 4)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--split", choices=["tuning", "tuning-indirect"], default="tuning",
+                    help="tuning prompts only: the four passkey wordings, or the indirect ones")
     a = ap.parse_args()
     variants = json.loads(a.variants)
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -64,8 +66,8 @@ def main() -> None:
         s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads)
     C = s.chunk_tokens
     drafter = str(resolve_model(a.drafter))
-    builder = NeedleBuilder(s, a.seed, split="tuning")  # a parameter search: tuning data only
-    print(f"model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
+    builder = NeedleBuilder(s, a.seed, split=a.split)  # a parameter search: tuning data only
+    print(f"split {a.split}, model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
           f"among the unprotected chunks (kept when rank < free)")
     for i in (int(x) for x in a.trials.split(",")):
         t = builder.trial(i, a.context - a.answer_tokens - 1, depths)

@@ -80,8 +80,12 @@ def test_needle_splits_are_disjoint(tiny):
     """Tuning and reporting prompts share no wording; the ledger haystack carries numbers, and the passkey
     occurs exactly once in its prompt; the tuning split refuses the reporting haystack."""
     import kvflash
-    from kvflash.bench.needle import NeedleBuilder, REPORTING_WORDINGS, TUNING_WORDINGS
-    assert not {w[0] for w in TUNING_WORDINGS} & {w[0] for w in REPORTING_WORDINGS}
+    from kvflash.bench.needle import NeedleBuilder, REPORTING_WORDINGS, TUNING_INDIRECT_WORDINGS, TUNING_WORDINGS
+    assert not {w[0] for w in TUNING_WORDINGS + TUNING_INDIRECT_WORDINGS} & {w[0] for w in REPORTING_WORDINGS}
+    rep_words = {x.strip(".,?'s").lower() for w in REPORTING_WORDINGS for x in (w[0] + " " + w[1]).split()}
+    for needle, question, prefix in TUNING_INDIRECT_WORDINGS:   # no rare word of a held-out wording leaks in
+        words = {x.strip(".,?'s").lower() for x in (needle + " " + question).split() if len(x) > 5}
+        assert not words & rep_words, words & rep_words
     s = kvflash.Session(tiny, max_ctx=2048, kvflash=None, threads=1, verbose=False)
     tune = NeedleBuilder(s, 1234, split="tuning").trial(0, 1500, [50])
     rep = NeedleBuilder(s, 1234, split="reporting", haystack="prose").trial(0, 1500, [50])
@@ -94,3 +98,7 @@ def test_needle_splits_are_disjoint(tiny):
         assert sum(ch.isdigit() for ch in text) > 100 and text.count(t.value) == 1
     with pytest.raises(ValueError, match="reporting data"):
         NeedleBuilder(s, 1234, split="tuning", haystack="ledger")
+    with pytest.raises(ValueError, match="reporting data"):
+        NeedleBuilder(s, 1234, split="tuning-indirect", haystack="ledger")
+    ind = NeedleBuilder(s, 1234, split="tuning-indirect").trial(0, 1500, [50])
+    assert "The code is" in s.detokenize(ind.ids) and ind.value in s.detokenize(ind.ids)

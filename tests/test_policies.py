@@ -253,6 +253,11 @@ def test_history_attention_sees_paged_out_keys(tmp_path):
 
 def test_qk_modes_and_errors():
     assert QKPolicy().name == "qk" and QKPolicy().n_queries == 8 and not QKPolicy().needs_chunk_summaries
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="layers"):
+            QKPolicy(layers=bad)
+    with pytest.raises(ValueError, match="mode 'keys'"):
+        QKPolicy("bound", layers=2)
     assert QKPolicy("bound").needs_chunk_summaries and QKPolicy("mean").name == "qk-mean"
     with pytest.raises(ValueError, match="qk mode"):
         QKPolicy("nope")
@@ -340,6 +345,11 @@ def test_history_attention_per_chunk_matches_numpy(tiny):
     one = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4, eval_layers=1)
     one.eval(_tokens(n, 12))
     np.testing.assert_allclose(one.history_attention(per_chunk=True), want, rtol=1e-4, atol=1e-6)
+    # n_layers=1: the two-layer runtime's score over its first paged layer only is layer 0's, from numpy
+    np.testing.assert_allclose(rt.history_attention(per_chunk=True, n_layers=1), want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(rt.history_attention(per_chunk=True, n_layers=L + 5), got)  # past L: all
+    with pytest.raises(ValueError, match="n_layers"):
+        rt.history_attention(n_layers=-1)
 
 
 def test_paged_drafter_keeps_every_key_and_scores_like_a_full_cache(tmp_path):
@@ -493,6 +503,31 @@ def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
     want = want_from(r.history_attention(q_first=24, q_count=8), r.history_attention(q_first=0, q_count=8))
     np.testing.assert_allclose(pol.score(s.chunk_view()), want, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="peak"):
-        QKPolicy(contrast=8)          # contrast works on token scores only
+        QKPolicy(aggregate="chunk", contrast=8)   # contrast works on token scores only
     with pytest.raises(ValueError, match="non-negative"):
         QKPolicy(aggregate="peak", spread=-1)
+
+
+def test_chunk_peaks_in_the_core():
+    # the one token-to-chunk aggregation (qk's peak scores and the drafter's chunks go through it)
+    x = np.array([0.0, 3.0, -1.0, -2.0, 7.0, -4.0, -5.0])
+    chunk_of = np.array([0, 0, 1, 1, -1, 2, 2])        # token 4 belongs to no chunk
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 4, 0), [3, -1, -4, -5])   # chunk 3 empty: lowest-1
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 3, 1), [3, 7, 7])         # token 4 still spreads
+    np.testing.assert_allclose(_core.chunk_peaks(np.zeros(0), np.zeros(0), 2), [0, 0])
+    with pytest.raises(ValueError, match="n_chunks"):
+        _core.chunk_peaks(x, chunk_of, 2)
+    with pytest.raises(ValueError, match="one length"):
+        _core.chunk_peaks(x, chunk_of[:3], 3)
+    with pytest.raises(ValueError, match="spread"):
+        _core.chunk_peaks(x, chunk_of, 3, -1)
+
+
+def test_qk_defaults_are_peak_scoring_over_early_layers():
+    p = QKPolicy()
+    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.layers, p.n_capture) == ("peak", 8, 32, 4, "auto", 40)
+    assert [p.n_layers(n) for n in (3, 8, 30, 64)] == [3, 8, 8, 16]
+    assert QKPolicy(layers=None).n_layers(30) == 0 and QKPolicy(layers=12).n_layers(6) == 6
+    c = QKPolicy(aggregate="chunk")
+    assert (c.contrast, c.spread, c.n_capture) == (0, 0, 8)
+    assert QKPolicy("bound").aggregate == "chunk" and QKPolicy("bound").contrast == 0

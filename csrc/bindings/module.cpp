@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "ggml-cpu.h"
+#include "kvflash/chunk_scores.h"
 #include "kvflash/limits.h"
 #include "kvflash/model.h"
 #include "kvflash/pool.h"
@@ -162,6 +163,20 @@ PYBIND11_MODULE(_core, m) {
           "Dict: cuda (compiled in), cuda_devices, ggml_version, ggml_commit, devices (ggml's registered devices "
           "with memory), cpu_features (ggml-cpu's instruction sets).");
     m.attr("MAX_CONTEXT") = kMaxContext;
+    m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,
+                            py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of, int32_t n_chunks,
+                            int32_t spread) {
+              if (x.ndim() != 1 || chunk_of.ndim() != 1 || x.shape(0) != chunk_of.shape(0))
+                  throw std::invalid_argument("chunk_peaks: x and chunk_of must be 1-D arrays of one length");
+              if (n_chunks < 0) throw std::invalid_argument("chunk_peaks: n_chunks must be >= 0");
+              py::array_t<float> out(static_cast<py::ssize_t>(n_chunks));
+              chunk_peaks(x.data(), x.shape(0), chunk_of.data(), n_chunks, spread, out.mutable_data());
+              return out;
+          }, py::arg("x"), py::arg("chunk_of"), py::arg("n_chunks"), py::arg("spread") = 0,
+          "Token scores to chunk scores: each token the max of the `spread` tokens either side, each chunk its peak "
+          "token; chunks no token maps to score one below the lowest scored chunk.");
+    m.def("qk_auto_layers", &qk_auto_layers, py::arg("n_paged"),
+          "The qk policy's default layer count for a model with n_paged paged layers.");
     m.def("check_max_ctx", [](int64_t max_ctx) { check_max_ctx(max_ctx); }, py::arg("max_ctx"),
           "ValueError unless 1 <= max_ctx <= MAX_CONTEXT, the largest context the core addresses.");
     m.def("min_pool_tokens", [](int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks) {
@@ -467,6 +482,24 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  return out;
              }, py::arg("chunk"), py::arg("paged_layer"),
              "Post-RoPE keys of a resident chunk for one paged layer, f32 [chunk_tokens, n_embd_k].")
+        .def_property_readonly("n_paged_layers", [](PyRuntime &r) { return r.rt->pool().n_layers(); },
+                               "Layers whose K/V the pool holds (gemma3: its global layers only).")
+        .def("qk_peak_scores", [](PyRuntime &r, int32_t n_chunks, int32_t n_queries, int32_t contrast, int32_t spread,
+                                  int32_t n_layers, int32_t n_threads) {
+                 if (r.rt->n_captured() == 0) throw std::invalid_argument("qk_peak_scores: no query captured yet");
+                 PeakScoring p{n_queries, contrast, spread, n_layers};
+                 py::array_t<float> out(static_cast<py::ssize_t>(std::max(n_chunks, 0)));
+                 if (n_threads <= 0) n_threads = r.model->n_threads();
+                 {
+                     py::gil_scoped_release nogil;
+                     qk_peak_scores(*r.rt, p, out.mutable_data(), n_chunks, n_threads);
+                 }
+                 return out;
+             }, py::arg("n_chunks"), py::kw_only(), py::arg("n_queries") = 8, py::arg("contrast") = 32,
+             py::arg("spread") = 4, py::arg("n_layers") = 0, py::arg("n_threads") = 0,
+             "The qk policy's peak scores of chunks [0, n_chunks) (kvflash/chunk_scores.h): per token the attention "
+             "of the last n_queries captured queries over the first n_layers paged layers (0: all), minus the "
+             "baseline of the n_queries ending `contrast` tokens earlier, spread, then each chunk's peak token.")
         .def("qk_scores", [](PyRuntime &r, const std::string &mode) {
                  QKMode m;
                  if (mode == "mean") m = QKMode::MEAN;
@@ -488,7 +521,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
         .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj,
-                                     int32_t q_first, int32_t q_count) {
+                                     int32_t q_first, int32_t q_count, int32_t n_layers) {
                  const int64_t C = r.rt->config().chunk_tokens;
                  int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
                  py::array_t<int32_t, py::array::c_style | py::array::forcecast> groups;
@@ -506,16 +539,18 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  {
                      py::gil_scoped_release nogil;
                      r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk,
-                                             groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count);
+                                             groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count,
+                                             n_layers);
                  }
                  return out;
              }, py::arg("n_threads") = 0, py::arg("per_chunk") = false, py::arg("groups") = py::none(),
-             py::arg("q_first") = 0, py::arg("q_count") = -1,
+             py::arg("q_first") = 0, py::arg("q_count") = -1, py::arg("n_layers") = 0,
              "Like attention_scores, over the whole history: paged-out keys are read from the host store.  "
              "per_chunk=True: one score per chunk, the attention mass it receives per layer and head "
              "(summed over its positions), max over heads and layers.  groups (int array, one entry per position, "
              "negative: none) does the same for arbitrary groups; the result has max(groups) + 1 entries.  q_first, "
-             "q_count: only those captured queries (capture order, oldest first; q_count -1: the rest).")
+             "q_count: only those captured queries (capture order, oldest first; q_count -1: the rest).  n_layers > 0: "
+             "only the first n_layers paged layers (0: all).")
         .def_property_readonly("n_captured", [](PyRuntime &r) { return r.rt->n_captured(); },
                                "How many queries are captured now (the last ones evaluated, up to capture_queries).")
         .def("captured_queries", [](PyRuntime &r) {

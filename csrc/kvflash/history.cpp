@@ -16,7 +16,7 @@ namespace kvflash {
 // groups (length n_past, values < n or negative): out[g] is the attention mass group g
 // receives per layer and head, max over them (per_chunk is groups = position / chunk).
 void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk,
-                                const int32_t *groups, int32_t q_first, int32_t q_count) const {
+                                const int32_t *groups, int32_t q_first, int32_t q_count, int32_t n_layers) const {
     if (n_captured_ == 0) throw std::invalid_argument("history_attention: no query captured yet");
     if (q_count < 0) q_count = n_captured_ - q_first;
     if (q_first < 0 || q_count <= 0 || q_first + q_count > n_captured_)
@@ -27,14 +27,16 @@ void Runtime::history_attention(float *out, int64_t n, int32_t n_threads, bool p
     const Hparams &hp = model_->hparams();
     const Pager &pg = *cache_->pager;
     const KVPool &pool = *cache_->pool;
-    const int32_t L = pool.n_layers(), D = hp.head_dim_k, H = hp.n_head, C = cfg_.chunk_tokens;
+    if (n_layers < 0) throw std::invalid_argument("history_attention: n_layers must be >= 0 (0: all)");
+    const int32_t L_all = pool.n_layers(), D = hp.head_dim_k, H = hp.n_head, C = cfg_.chunk_tokens;
+    const int32_t L = n_layers > 0 ? std::min(n_layers, L_all) : L_all;
     const int64_t n_pos = groups ? n_past_ : per_chunk ? std::min<int64_t>(n * C, n_past_) : std::min<int64_t>(n, n_past_);
     const int32_t n_chunks = int32_t((n_pos + C - 1) / C);
     if (n_chunks == 0) return;
     sync_for_host_read();
     // Byte offset of layer il's K rows inside a host chunk: [il][K rows][V rows].
-    std::vector<size_t> host_off(L + 1, 0);
-    for (int32_t il = 0; il < L; ++il)
+    std::vector<size_t> host_off(L_all + 1, 0);
+    for (int32_t il = 0; il < L_all; ++il)
         host_off[il + 1] = host_off[il] + size_t(C) * (pool.k(il)->nb[1] + pool.v(il)->nb[1]);
     std::vector<int64_t> qpos(q_count);
     for (int32_t i = 0; i < q_count; ++i) qpos[i] = n_past_ - n_captured_ + q_first + i;

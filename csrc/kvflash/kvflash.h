@@ -42,7 +42,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 2
+#define KVFLASH_API_VERSION 3
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -69,6 +69,10 @@ struct kvflash_params {
     int32_t qk_queries;         /* qk: how many of the latest queries score a rescore (8) */
     int32_t reeval_tokens;      /* qk: prompt tokens re-read after a prompt rescore moved chunks (64) */
     uint64_t seed;              /* sampler seed (0) */
+    /* -- since API version 3: qk scores tokens, then each chunk takes its peak token -- */
+    int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (32; 0: off) */
+    int32_t qk_spread;          /* each token takes the peak of this many tokens either side (4) */
+    int32_t qk_layers;          /* the first N paged layers score (-1: a quarter, at least 8; 0: all) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

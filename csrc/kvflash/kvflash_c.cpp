@@ -1,4 +1,6 @@
 #include "kvflash/kvflash.h"
+#include "kvflash/chunk_scores.h"
+#include "kvflash/pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +31,7 @@ struct kvflash_session {
     std::unique_ptr<kvflash::Runtime> rt;
     kvflash::Sampler sampler;
     bool qk = false;
+    kvflash::PeakScoring peak;
     int32_t tau = 64, reeval_tokens = 64;
     int64_t since_rescore = 0, rescores = 0;
     std::vector<float> logits;   // after the last evaluated token (empty before any eval)
@@ -44,7 +47,7 @@ struct kvflash_session {
         const int32_t n = n_chunks();
         if (!scored() || n == 0) return 0;
         scores.resize(size_t(n));
-        rt->history_attention(scores.data(), n, m->n_threads(), /*per_chunk=*/true);
+        kvflash::qk_peak_scores(*rt, peak, scores.data(), n, m->n_threads());
         ++rescores;
         return rt->pager().reselect(scores.data(), n);
     }
@@ -129,6 +132,9 @@ kvflash_params kvflash_default_params(void) {
     p.qk_queries = 8;
     p.reeval_tokens = 64;
     p.seed = 0;
+    p.qk_contrast = 32;
+    p.qk_spread = 4;
+    p.qk_layers = -1;
     return p;
 }
 
@@ -177,6 +183,13 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         if (p.tau < 1) throw std::invalid_argument("params.tau must be >= 1, got " + std::to_string(p.tau));
         if (p.qk_queries < 1 || p.qk_queries > 256)
             throw std::invalid_argument("params.qk_queries must be in [1, 256], got " + std::to_string(p.qk_queries));
+        if (p.qk_contrast < 0 || p.qk_contrast > 256)
+            throw std::invalid_argument("params.qk_contrast must be in [0, 256], got " + std::to_string(p.qk_contrast));
+        if (p.qk_spread < 0 || p.qk_spread > 256)
+            throw std::invalid_argument("params.qk_spread must be in [0, 256], got " + std::to_string(p.qk_spread));
+        if (p.qk_layers < -1)
+            throw std::invalid_argument("params.qk_layers must be -1 (auto), 0 (all) or a layer count, got " +
+                                        std::to_string(p.qk_layers));
         if (p.reeval_tokens < 1)
             throw std::invalid_argument("params.reeval_tokens must be >= 1, got " + std::to_string(p.reeval_tokens));
         if (p.pool_tokens < 0) throw std::invalid_argument("params.pool_tokens must be >= 0 (0: full cache)");
@@ -188,12 +201,17 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         c.sink_chunks = p.sink_chunks;
         c.tail_window_chunks = p.tail_window_chunks;
         c.ubatch = p.ubatch;
-        c.capture_queries = policy == "qk" ? p.qk_queries : 1;
+        c.capture_queries = policy == "qk" ? p.qk_queries + p.qk_contrast : 1;
         auto s = std::make_unique<kvflash_session>();
         s->m = model->m;
         s->rt = std::make_unique<kvflash::Runtime>(model->m, c);
         s->sampler.seed(p.seed);
         s->qk = policy == "qk";
+        if (s->qk) {
+            const int32_t n_paged = s->rt->pool().n_layers();
+            s->peak = {p.qk_queries, p.qk_contrast, p.qk_spread,
+                       p.qk_layers < 0 ? kvflash::qk_auto_layers(n_paged) : p.qk_layers};
+        }
         s->tau = p.tau;
         s->reeval_tokens = p.reeval_tokens;
         return s.release();

@@ -198,9 +198,11 @@ public:
     // per_chunk: out[c] for the n chunks instead -- per layer and head the attention
     // mass the chunk receives (summed over its positions), then the max over heads and layers.
     // q_first, q_count: use only those captured queries (in capture order; q_count < 0: all from
-    // q_first), e.g. the earliest of them as a baseline for the latest.
+    // q_first), e.g. the earliest of them as a baseline for the latest.  n_layers > 0: only the
+    // first n_layers paged layers (early layers carry the retrieval signal; later ones add noise).
     void history_attention(float *out, int64_t n, int32_t n_threads, bool per_chunk = false,
-                           const int32_t *groups = nullptr, int32_t q_first = 0, int32_t q_count = -1) const;
+                           const int32_t *groups = nullptr, int32_t q_first = 0, int32_t q_count = -1,
+                           int32_t n_layers = 0) const;
 
 private:
     struct Graph;

@@ -19,18 +19,28 @@ from .policies import ChunkView
 class QKPolicy:
     """Drafter-free: score chunks with the target model's own queries and keys.
 
-    ``mode="keys"`` (default, policy ``"qk"``): at a rescore, the queries of the
-    last ``n_queries`` tokens (post-RoPE, captured by the runtime across evals)
-    attend over every key of the history -- resident rows from the pool, paged-out
-    rows from the host store, where they are kept bit-exact -- with a softmax per
-    layer, head and query; per layer and head each chunk gets the attention mass
-    its positions receive (mean over the queries), and its score is the max over
-    heads and layers (``aggregate="chunk"``).  ``aggregate="token"`` scores tokens
-    first (max over heads and layers), smooths and averages per chunk, as the
-    drafter does: on SmolLM2 needles the chunk sum ranks the needle first where the
-    per-token max does not (a retrieval head's mass is spread over the needle's
-    tokens, while single tokens of other heads spike).  One pass over all keys per rescore
-    (at 32K with SmolLM2, ~200 MB of q8_0 keys), no second model, no re-feeding.
+    ``mode="keys"`` (policy ``"qk"``): at a rescore the queries of the last
+    ``n_queries`` tokens (post-RoPE, captured by the runtime across evals) attend
+    over every key of the history -- resident rows from the pool, paged-out rows
+    from the host store, where they are kept bit-exact -- with a softmax per
+    layer, head and query.  One pass over the keys per rescore, no second model,
+    no re-feeding.  How those probabilities become chunk scores is ``aggregate``:
+
+    - ``"peak"`` (the default, scored in the core: ``_core.Runtime.qk_peak_scores``):
+      per token the attention the last ``n_queries`` pay it (mean over the queries,
+      max over heads and the first ``layers`` paged layers), minus what the
+      ``n_queries`` ending ``contrast`` tokens earlier pay it (what any query
+      attends to -- sinks, common words -- cancels; 0: off), each token taking the
+      peak of the ``spread`` tokens either side, and a chunk its peak token.  The
+      runtime then captures n_queries + contrast queries.  ``layers="auto"`` reads
+      a quarter of the paged layers but at least 8 (all when there are fewer):
+      later layers' spikes drown the retrieval signal of the early ones.
+      Defaults (8 queries, contrast 32, spread 4, auto layers) chosen on the
+      tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
+    - ``"chunk"`` (the default before): per layer and head the attention mass a
+      chunk's positions receive, max over heads and layers.
+    - ``"token"``: tokens scored first (max over heads and layers), smoothed and
+      averaged per chunk.
 
     The summary modes score a per-chunk summary computed when the chunk seals (it
     is still resident then), per paged layer and KV head, against the last query
@@ -38,58 +48,68 @@ class QKPolicy:
     sum_d max(q_d * min_d, q_d * max_d) (an upper bound of q . k in the chunk);
     ``"mean"`` the L2-normalised mean key.  Max over query heads, mean over layers.
     They read no history, but rank needles poorly on SmolLM2 (bench/results/needle).
-
-    ``aggregate="peak"`` scores the way the drafter does, with the target's own
-    queries: per token the attention the last ``n_queries`` pay it (max over heads
-    and layers), minus what the ``n_queries`` ending ``contrast`` tokens earlier pay
-    it (0: off), each token taking the peak of the ``spread`` tokens either side,
-    and a chunk its peak token.  The runtime then captures n_queries + contrast
-    queries.
     """
 
     MODES = ("keys", "bound", "mean")
 
-    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5, aggregate: str = "chunk",
-                 contrast: int = 0, spread: int = 0):
+    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5,
+                 aggregate: Optional[str] = None, contrast: Optional[int] = None, spread: Optional[int] = None,
+                 layers="auto"):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
         if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 256:
             raise ValueError(f"n_queries must be an integer in [1, 256], got {n_queries!r}")
+        if aggregate is None:
+            aggregate = "peak" if mode == "keys" else "chunk"
         if aggregate not in ("chunk", "token", "peak"):
             raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
-        for what, v in (("contrast", contrast), ("spread", spread)):
+        peak = aggregate == "peak" and mode == "keys"
+        resolved = {}
+        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4)):
+            if v is None:
+                v = default if peak else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"qk {what} must be a non-negative token count (0: off), got {v!r}")
-            if v and (aggregate != "peak" or mode != "keys"):
+            if v and not peak:
                 raise ValueError(f"qk {what} works on token scores: use aggregate='peak' (mode 'keys') with it")
+            resolved[what] = v
+        if layers is not None and layers != "auto" and (
+                not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+            raise ValueError(f"qk layers must be 'auto', a positive layer count or None (every paged layer), "
+                             f"got {layers!r}")
+        if mode != "keys" and layers not in ("auto", None):
+            raise ValueError("qk layers works on the history attention: use mode 'keys' with it")
         self.mode = mode
+        self.layers = layers if mode == "keys" else None
         self.aggregate = aggregate
-        self.contrast, self.spread = contrast, spread
+        self.contrast, self.spread = resolved["contrast"], resolved["spread"]
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
         self.n_capture = self.n_queries + self.contrast   # queries the session's runtime must keep
         self.smooth_width = smooth_width
 
+    def n_layers(self, n_paged: int) -> int:
+        """The paged layers scored, for a runtime with n_paged of them (the core's 0 = all)."""
+        if self.layers is None:
+            return 0
+        if self.layers == "auto":
+            return _core.qk_auto_layers(n_paged)
+        return min(self.layers, n_paged)
+
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
         rt = view.session.runtime
-        if self.mode == "keys":
-            if self.aggregate == "chunk":   # the last n_queries captured (the runtime may keep more)
-                return rt.history_attention(per_chunk=True, q_first=max(0, rt.n_captured - self.n_queries))[
-                    : view.n_chunks]
-            if self.aggregate == "peak":
-                n_cap = rt.n_captured
-                first = max(0, n_cap - self.n_queries)
-                x = rt.history_attention(q_first=first, q_count=n_cap - first).astype(np.float64)
-                b0 = n_cap - self.n_queries - self.contrast
-                if self.contrast and b0 >= 0:   # the baseline: the queries ending `contrast` tokens earlier
-                    base = rt.history_attention(q_first=b0, q_count=self.n_queries)
-                    x[: len(base)] -= base
-                chunk_of = np.arange(len(x), dtype=np.int64) // view.chunk_tokens
-                return tokens_to_chunks(x, chunk_of, view.n_chunks, aggregate="max", spread=self.spread)
-            tok_scores = rt.history_attention()
-            return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
-        return rt.qk_scores(self.mode)[: view.n_chunks]
+        if self.mode != "keys":
+            return rt.qk_scores(self.mode)[: view.n_chunks]
+        nl = self.n_layers(rt.n_paged_layers)
+        if self.aggregate == "peak":
+            return rt.qk_peak_scores(view.n_chunks, n_queries=self.n_queries, contrast=self.contrast,
+                                     spread=self.spread, n_layers=nl)
+        if self.aggregate == "chunk":   # the last n_queries captured (the runtime may keep more)
+            return rt.history_attention(per_chunk=True, q_first=max(0, rt.n_captured - self.n_queries),
+                                        n_layers=nl)[: view.n_chunks]
+        tok_scores = rt.history_attention(q_first=max(0, rt.n_captured - self.n_queries), n_layers=nl)
+        return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
 
     def reset(self) -> None:
         pass  # captured queries and summaries live in the runtime and are cleared by its reset
@@ -119,17 +139,12 @@ def tokens_to_chunks(tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int
     of the ``spread`` tokens on either side, then a chunk scores its peak token (``aggregate="max"``) or
     the mean of its smoothed tokens (``"mean"``)."""
     n = min(len(tok_scores), len(chunk_of))
+    if aggregate == "max":   # the core's chunk_peaks: the one implementation the C API's qk uses too
+        return _core.chunk_peaks(np.asarray(tok_scores[:n], dtype=np.float64),
+                                 np.asarray(chunk_of[:n], dtype=np.int32), n_chunks, spread)
     x, idx = spread_max(np.asarray(tok_scores[:n], dtype=np.float64), spread), np.asarray(chunk_of[:n])
-    if aggregate == "max":
-        # from -inf, not 0: with contrast most peaks are negative and must keep their order
-        out = np.full(n_chunks, -np.inf, dtype=np.float64)
-        np.maximum.at(out, idx, x)
-        empty = ~np.isfinite(out)   # no token starts in the chunk: rank it below every scored one
-        if empty.any():
-            out[empty] = (out[~empty].min() - 1.0) if (~empty).any() else 0.0
-    else:
-        x = smooth(x, smooth_width)
-        out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
+    x = smooth(x, smooth_width)
+    out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
     return out.astype(np.float32)[:n_chunks]
 
 

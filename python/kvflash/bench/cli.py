@@ -117,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", "-c", type=_int_list, help="context lengths, comma list (1024 or 1K)")
     p.add_argument("--steps", type=int, dest="decode_steps", help="decode steps timed per repeat")
     p.add_argument("--needles", type=int, help="needle trials per cell (ab: the repeats, one trial each)")
-    p.add_argument("--split", choices=["reporting", "tuning"], default=None,
+    p.add_argument("--split", choices=["reporting", "tuning", "tuning-indirect"], default=None,
                    help="needle prompts (needle, ab): reporting (default; held-out wordings and seeds, every "
-                        "committed figure) or tuning (the prompts policy parameters are chosen on)")
+                        "committed figure), tuning or tuning-indirect (the prompts policy parameters are chosen on)")
     p.add_argument("--haystacks", type=_str_list, default=None,
                    help="reporting haystacks, comma list of prose, ledger (default both; ab uses the first)")
     p.add_argument("--prefill", dest="memory_prefill", action="store_true", default=None,

@@ -1,8 +1,10 @@
 """Needle-in-a-haystack prompts: a passkey sentence at a depth of natural prose, asked for at the end.
 
-Two data splits, never mixed: **tuning** (what policy parameters were and may be chosen on:
+Data splits, never mixed: **tuning** (what policy parameters were and may be chosen on:
 haystack.txt's procedural prose, the four TUNING_WORDINGS, trials drawn from `--seed`, 1234 by
-default) and **reporting** (what committed quality figures are measured on: two haystacks --
+default), **tuning-indirect** (tuning data too: the same prose, four TUNING_INDIRECT_WORDINGS whose
+question names the needle with a generic noun and whose answer prefix repeats none of its rare words,
+trials from a seed space of their own) and **reporting** (what committed quality figures are measured on: two haystacks --
 "prose", the same procedural prose at other positions, and "ledger", town records full of numbers
 that can distract (_ledger.py) -- the REPORTING_WORDINGS, which no tuning run used, and trials drawn
 from a seed space of their own).  A trial is fixed by (split, haystack, seed, index): depth =
@@ -29,6 +31,19 @@ TUNING_WORDINGS = [
     ("The code that opens the vault, also called the passkey, is {v}.", "What is the passkey that opens the vault?",
      "The passkey is"),
 ]
+# Tuning too, added after qk missed on the one indirect reporting wording: the question and the answer prefix
+# name the needle by a common noun ("the code", "the tally"), not by a rare word like "passkey".  No noun of
+# these occurs in a reporting wording.
+TUNING_INDIRECT_WORDINGS = [
+    ("Scratched into the bench by the mill was the code to the garden gate, {v}.",
+     "What is the code to the garden gate?", "The code is"),
+    ("For the town's books, the blue wagon carries registration {v}.",
+     "What registration does the blue wagon carry?", "The registration is"),
+    ("Among the baker's papers was a ticket, and the ticket read {v}.",
+     "What did the baker's ticket read?", "The ticket read"),
+    ("At the end of the harvest the shepherd's tally came to {v}.",
+     "What did the shepherd's tally come to?", "The tally came to"),
+]
 # Reporting: held out from every tuning run.
 REPORTING_WORDINGS = [
     ("One more thing to keep in mind: the magic number for the lighthouse is {v}.",
@@ -41,7 +56,8 @@ REPORTING_WORDINGS = [
      "What is the archivist's private reference?", "The archivist's private reference is"),
 ]
 ANSWER_PREFIX = "The passkey is"
-SPLITS = ("tuning", "reporting")
+SPLITS = ("tuning", "tuning-indirect", "reporting")
+TUNING_SPLITS = ("tuning", "tuning-indirect")
 HAYSTACKS = {"prose": haystack_text, "ledger": ledger_text}
 
 
@@ -63,12 +79,13 @@ class NeedleBuilder:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if haystack not in HAYSTACKS:
             raise ValueError(f"haystack must be one of {sorted(HAYSTACKS)}, got {haystack!r}")
-        if split == "tuning" and haystack != "prose":
-            raise ValueError("the tuning split has one haystack, 'prose'; the ledger haystack is reporting data")
+        if split in TUNING_SPLITS and haystack != "prose":
+            raise ValueError(f"the {split} split has one haystack, 'prose'; the ledger haystack is reporting data")
         self.s = session
         self.seed = seed
         self.split, self.haystack = split, haystack
-        self.wordings = TUNING_WORDINGS if split == "tuning" else REPORTING_WORDINGS
+        self.wordings = {"tuning": TUNING_WORDINGS, "tuning-indirect": TUNING_INDIRECT_WORDINGS,
+                         "reporting": REPORTING_WORDINGS}[split]
         text = HAYSTACKS[haystack]()
         paras = [p.strip() for p in text.split("\n\n") if p.strip()]
         sents: list[str] = []
@@ -96,7 +113,7 @@ class NeedleBuilder:
         if self.split == "tuning":   # the tuning trials as every tuning run drew them
             rng = random.Random(self.seed * 1000003 + i)
         else:                        # a seed space of its own (str seeds hash the same in every process)
-            rng = random.Random(f"kvflash-reporting:{self.haystack}:{self.seed}:{i}")
+            rng = random.Random(f"kvflash-{self.split}:{self.haystack}:{self.seed}:{i}")
         depth = depths[i % len(depths)]
         value = str(rng.randint(10000, 99999))
         w = i % len(self.wordings)

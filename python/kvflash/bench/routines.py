@@ -571,8 +571,8 @@ def _trials_for(cfg, builder, D, reserve):
 
 
 def _split_note(cfg: BenchConfig, haystacks: list) -> str:
-    if cfg.split == "tuning":
-        return (f"TUNING data (split tuning, seed {cfg.seed}): the prompts policy parameters were chosen on; "
+    if cfg.split != "reporting":
+        return (f"TUNING data (split {cfg.split}, seed {cfg.seed}): the prompts policy parameters were chosen on; "
                 f"not a result")
     what = {"prose": "prose = procedural prose without digits",
             "ledger": "ledger = town records full of 3-6 digit numbers and codes"}
