@@ -23,6 +23,8 @@ def tiny(tmp_path_factory):
     ("memory", ["--contexts", "2048"]),
     ("memory", ["--contexts", "1024", "--prefill", "--cells", "ram,file"]),
     ("paging", ["--repeats", "1"]),
+    ("decode", ["--contexts", "600,1024", "--repeats", "2", "--steps", "4", "--policy", "qk",
+                "--control", "kvflash"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -49,6 +51,16 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert rows[0]["rescores"]["max"] == 0
         assert "x (" in rows[1]["speed_ratio"] and "x (" in kv["speed_ratio"]
         assert any("A/A" in n for n in data["results"][0]["notes"])
+    if routine == "decode":
+        rows = data["results"][0]["rows"]
+        assert [r["mode"] for r in rows] == ["full", "kvflash", "kvflash (A/A control)"] * 2, rows
+        for r in rows:   # a scored policy: 4 rescore periods (64 tokens) + 1 timed in every mode
+            assert r["window"] == 257 and r["decode_tok_s"]["n"] == 2, r
+        kv, ctl = rows[4], rows[5]
+        # a growing session keeps its rescore phase across repeats: 4 periods + 1 hold 3 or 4 rescores
+        assert kv["rescores"]["min"] >= 3 and kv["rescores"]["max"] >= 4 and rows[3]["rescores"]["max"] == 0, rows
+        assert "x (" in kv["speed_ratio"] and "x (" in ctl["speed_ratio"]
+        assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "rescore":
         assert "drafter" in text and "qk" in text
     if routine == "paging":

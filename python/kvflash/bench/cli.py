@@ -30,7 +30,7 @@ PRESETS = {
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
         "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
-        "decode": dict(contexts=[1024, 2048, 4096, 8192, 16384, 32768], repeats=5),
+        "decode": dict(contexts=[1024, 2048, 4096, 8192, 16384, 32768], repeats=5, control="kvflash"),
         "prefill": dict(contexts=[2048, 8192, 16384], repeats=2),
         "memory": dict(contexts=[2048, 8192, 16384, 32768, 65536, 131072], pools=[512, 2048]),
         "paging": dict(pools=[512, 2048], repeats=5),
@@ -42,7 +42,7 @@ PRESETS = {
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {
         "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
-        "decode": dict(contexts=[2048, 8192, 32768, 65536, 131072], pools=[2048, 4096]),
+        "decode": dict(contexts=[2048, 8192, 32768, 65536, 131072], pools=[2048, 4096], control="kvflash"),
         "prefill": dict(contexts=[16384, 32768, 65536], repeats=1),
         "memory": dict(contexts=[8192, 32768, 131072, 262144], pools=[2048, 4096]),
         "paging": dict(pools=[2048, 4096], repeats=5),
@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ab: decode window in rescore periods of a scored policy (default 4; the window is "
                         "max(--steps, N x period + 1) tokens for every mode)")
     p.add_argument("--control", choices=["full", "kvflash"], default=None,
-                   help="ab: the A/A control row's configuration (default: full in quick, kvflash in standard "
-                        "and long, where a second full cache at 32K+ would double the run)")
+                   help="ab, decode: the A/A control row's configuration (default: full in quick, kvflash in "
+                        "standard and long, where a second full cache at 32K+ would double the run)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")

@@ -60,21 +60,34 @@ def _ratio(a: Optional[dict], b: Optional[dict]) -> Optional[str]:
 def run_decode(cfg: BenchConfig) -> Result:
     """Decode tok/s vs context: one growing session per mode, extended to each context in turn
     (cheaper than a fresh prefill per context and per repeat; decode cost depends only on the
-    cache's occupied extent, which is the same either way)."""
+    cache's occupied extent, which is the same either way).  An A/A control (a second session of the
+    --control configuration: the full cache, or kvflash at the first pool) runs the same way; modes
+    run interleaved per repeat (order rotated), ratios are per repeat (paired), and a ratio counts as a
+    measured difference only outside the control's spread.  Each repeat times the same number of
+    tokens in every mode, through generate(): --steps, or for a scored policy 4 rescore periods + 1
+    at that context, so its rescoring is inside the tok/s."""
     ctxs = sorted(set(cfg.contexts))
-    margin = cfg.repeats * cfg.decode_steps + 64
+    scored = cfg.policy not in (None, "lru")
+    windows = {D: _decode_window(cfg, D) if scored else cfg.decode_steps for D in ctxs}
+    margin = cfg.repeats * max(windows.values()) + 64
     max_ctx = max(ctxs) + margin
-    modes = _modes(cfg)
+    pool0 = cfg.pools[0]
+    ctl = ("control", None, None) if cfg.control == "full" else ("control", pool0, cfg.policy)
+    modes = _modes(cfg) + [ctl]
+    base_of_ctl = modes[0] if ctl[1] is None else ("kvflash", pool0, cfg.policy)
     sessions, na = _open_modes(cfg, modes, max_ctx, dedupe_fallback=False)
     live = [m for m in modes if m in sessions]
     any_s = next(iter(sessions.values()))
     toks = text_tokens(any_s, max_ctx)
-    res = Result("decode", f"decode tok/s vs context ({cfg.decode_steps} greedy steps per repeat, "
-                 f"median ± spread of {cfg.repeats})",
+    res = Result("decode", f"decode tok/s vs context (greedy through generate(), median ± spread of "
+                 f"{cfg.repeats} interleaved repeats) with an A/A control ({cfg.control} vs {cfg.control})",
                  BASE_COLS + [("pool", "pool"), ("policy", "policy"), ("context", "context"),
-                              ("decode_tok_s", "decode tok/s"), ("compute_ms_tok", "compute ms/tok"),
+                              ("decode_tok_s", "decode tok/s"), ("window", "tokens timed"),
+                              ("rescores", "rescores in window"), ("rescore_share", "rescore % of window"),
+                              ("compute_ms_tok", "compute ms/tok"),
                               ("kv_resident_mib", "KV resident MiB"), ("host_mib", "host MiB"),
-                              ("vs_full", "vs full")])
+                              ("vs_full", "vs full (median of medians)"),
+                              ("speed_ratio", "decode ratio per repeat (median, min-max)")])
     with Progress(len(ctxs) * len(live) * (1 + cfg.repeats), "decode", cfg.quiet) as pb:
         for D in ctxs:
             for m in live:
@@ -85,42 +98,71 @@ def run_decode(cfg: BenchConfig) -> Result:
                     pb.note(f"prefill {m[0]}{'' if m[1] is None else m[1]} {s.n_past}/{D}")
                 pb.advance(1)
             for r in range(cfg.repeats):
-                order = live if r % 2 == 0 else list(reversed(live))
-                for m in order:
+                k = r % len(live)
+                for m in live[k:] + live[:k]:   # each mode takes each place in turn
                     s = sessions[m]
-                    ctx0 = s.n_past
+                    ctx0, st0 = s.n_past, s.stats
                     pb.note(f"{ctx_label(D)} {m[0]}: timing")
-                    dt, cms = decode_steps(s, cfg.decode_steps)
+                    dt, cms = decode_steps(s, windows[D])
                     st = s.stats
                     res.raw.append({**_base(cfg, s), "mode": m[0], "pool": m[1], "policy": s.policy.name,
-                                    "context": D, "n_past_start": ctx0, "repeat": r, "steps": cfg.decode_steps,
-                                    "seconds": dt, "tok_s": cfg.decode_steps / dt,
-                                    "compute_ms": cms, "kv_resident_bytes": kv_resident_bytes(s),
+                                    "context": D, "n_past_start": ctx0, "repeat": r, "steps": windows[D],
+                                    "seconds": dt, "tok_s": windows[D] / dt, "compute_ms": cms,
+                                    "window_rescores": st["rescores"] - st0["rescores"],
+                                    "window_rescore_ms": st["rescore_ms"] - st0["rescore_ms"],
+                                    "kv_resident_bytes": kv_resident_bytes(s),
                                     "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"],
                                     "page_ins": st["page_ins"], "rescores": st["rescores"]})
-                    pb.advance(1, note=f"{ctx_label(D)} {m[0]} {cfg.decode_steps / dt:.1f} tok/s")
+                    pb.advance(1, note=f"{ctx_label(D)} {m[0]} {windows[D] / dt:.1f} tok/s")
     for D in ctxs:
         full_stat = None
+        by = {m: {x["repeat"]: x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]}
+              for m in live}
+        ratios = {}
         for m in modes:
-            row = {**_base(cfg, any_s), "mode": m[0], "pool": "-" if m[1] is None else m[1],
+            row = {**_base(cfg, any_s), "mode": ("full (A/A control)" if ctl[1] is None else "kvflash (A/A control)")
+                   if m is ctl else m[0], "pool": "-" if m[1] is None else m[1],
                    "policy": "-" if m[1] is None else (m[2] or "lru"), "context": D}
             if m in na:
                 row.update(decode_tok_s=f"n/a: {na[m]}")
                 res.rows.append(row)
                 continue
-            rr = [x for x in res.raw if x["context"] == D and x["mode"] == m[0] and x["pool"] == m[1]]
+            rr = list(by[m].values())
+            wall = sum(x["seconds"] for x in rr)
             tok = summarize(x["tok_s"] for x in rr)
-            row.update(policy="-" if m[1] is None else rr[-1]["policy"], decode_tok_s=tok,
+            row.update(policy="-" if m[1] is None else rr[-1]["policy"], decode_tok_s=tok, window=windows[D],
+                       rescores=summarize(x["window_rescores"] for x in rr),
+                       rescore_share=f"{100 * sum(x['window_rescore_ms'] for x in rr) / 1e3 / wall:.1f}%"
+                       if wall else None,
                        compute_ms_tok=summarize(x["compute_ms"] / x["steps"] for x in rr),
                        kv_resident_mib=rr[-1]["kv_resident_bytes"] / MIB, host_mib=rr[-1]["host_bytes"] / MIB)
-            if m[1] is None:
+            if m is modes[0]:
                 full_stat = tok
                 row["vs_full"] = "1.00x"
             else:
                 row["vs_full"] = _ratio(tok, full_stat)
+                ref = by.get(base_of_ctl if m is ctl else modes[0], {})
+                dr = [x["tok_s"] / ref[i]["tok_s"] for i, x in by[m].items() if i in ref]
+                if dr:
+                    ratios[m] = dr
+                    row["speed_ratio"] = f"{statistics.median(dr):.2f}x ({_spread(dr)})"
             res.rows.append(row)
-    res.notes += [f"modes run interleaved per repeat (order reversed on odd repeats); one growing session per "
-                  f"mode; natural-text tokens; max_ctx {max_ctx}",
+        cr = ratios.get(ctl)
+        for m in modes[1:-1]:
+            dr = ratios.get(m)
+            if dr and cr:
+                outside = min(dr) > max(cr) or max(dr) < min(cr)
+                res.notes.append(f"{ctx_label(D)} pool {m[1]}: kvflash/full {statistics.median(dr):.2f}x "
+                                 f"({_spread(dr)}) vs A/A {statistics.median(cr):.2f}x ({_spread(cr)}) — " +
+                                 ("outside the control's spread: a real difference" if outside else
+                                  "overlaps the control's spread: not a measured difference"))
+    res.notes += [f"modes run interleaved per repeat (order rotated); one growing session per mode; natural-text "
+                  f"tokens; max_ctx {max_ctx}; per-repeat ratios: kvflash over full, the control over "
+                  f"{'full' if ctl[1] is None else f'kvflash pool {pool0}'}",
+                  ("a scored policy: each repeat decodes max(--steps, 4 rescore periods + 1) tokens in every mode "
+                   "(rescores inside the tok/s; a growing session keeps its rescore phase, so a window holds 3-4)"
+                   if scored else
+                   f"policy {cfg.policy or 'lru'} does not rescore: {cfg.decode_steps} tokens per repeat"),
                   "full cache's KV resident = its allocation at this run's max_ctx; see `memory` for the ledger "
                   "at each context"]
     for pool in cfg.pools:
