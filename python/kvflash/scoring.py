@@ -47,7 +47,7 @@ class QKPolicy:
     alone: ``"bound"`` the element-wise min/max keys, scoring
     sum_d max(q_d * min_d, q_d * max_d) (an upper bound of q . k in the chunk);
     ``"mean"`` the L2-normalised mean key.  Max over query heads, mean over layers.
-    They read no history, but rank needles poorly on SmolLM2 (bench/results/needle).
+    They read no history, but rank needles poorly on SmolLM2 (bench/results/tuning/needle).
     """
 
     MODES = ("keys", "bound", "mean")
