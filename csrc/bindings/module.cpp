@@ -168,6 +168,10 @@ PYBIND11_MODULE(_core, m) {
         PagerConfig c; c.chunk_tokens = chunk_tokens; c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks;
         return c.min_pool_tokens();
     }, py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4);
+    m.def("kv_type_size", [](const std::string &kv_type) {
+        const ggml_type t = kv_type_from_name(kv_type);
+        return py::make_tuple(ggml_type_size(t), ggml_blck_size(t));
+    }, py::arg("kv_type"), "(bytes per block, elements per block) of a KV type, from ggml's type traits.");
 
     py::class_<PagerRef>(m, "Pager", R"doc(
 Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
