@@ -102,7 +102,7 @@ def tokens(n: int, seed: int, n_vocab: int) -> np.ndarray:
 
 
 def ring_tokens(n_swa: int, ubatch: int, max_ctx: int) -> int:
-    """Sliding-window ring size, as csrc/kvflash/model.cpp sizes it (pos -> slot pos % R)."""
+    """Sliding-window ring size, as Runtime::init_swa_ring (csrc/kvflash/runtime.cpp) sizes it (pos -> slot pos % R)."""
     r = min((n_swa + ubatch + 255) // 256 * 256, (max_ctx + 255) // 256 * 256)
     return max(r, 256)
 

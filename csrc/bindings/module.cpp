@@ -11,6 +11,8 @@
 #include "ggml-cpu.h"
 #include "kvflash/limits.h"
 #include "kvflash/model.h"
+#include "kvflash/runtime.h"
+#include "kvflash/scoring.h"
 #include "kvflash/pool.h"
 #include "kvflash/sampling.h"
 
@@ -71,6 +73,7 @@ struct PyPager {
 struct PyRuntime {
     std::shared_ptr<Model> model;
     std::unique_ptr<Runtime> rt;
+    std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
     Sampler sampler;
     std::vector<float> logits;
 };
@@ -343,7 +346,7 @@ build without it, or for a CUDA device that is not visible.
         .def_property_readonly("hparams", [](const Model &m) {
             const Hparams &h = m.hparams();
             py::dict d;
-            d["arch"] = arch_name(h.arch);
+            d["arch"] = h.arch;
             d["n_layer"] = h.n_layer; d["n_embd"] = h.n_embd; d["n_ff"] = h.n_ff;
             d["n_head"] = h.n_head; d["n_head_kv"] = h.n_head_kv; d["head_dim"] = h.head_dim_k;
             d["n_vocab"] = h.n_vocab; d["n_ctx_train"] = h.n_ctx_train; d["rms_eps"] = h.rms_eps;
@@ -376,7 +379,6 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.attn = attn;
                  c.pool_attn_max_tokens = pool_attn_max_tokens;
                  c.capture_queries = capture_queries;
-                 c.chunk_summaries = chunk_summaries;
                  c.prefill_piece = prefill_piece;
                  c.eval_layers = eval_layers;
                  c.host_path = host_path.is_none() ? std::string() : py::str(host_path).cast<std::string>();
@@ -384,6 +386,10 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  auto r = std::make_shared<PyRuntime>();
                  r->model = model;
                  r->rt = std::make_unique<Runtime>(model, c);
+                 if (chunk_summaries) {
+                     r->summaries = std::make_shared<ChunkSummaries>();
+                     r->rt->set_observer(r->summaries);
+                 }
                  r->sampler.seed(seed);
                  return r;
              }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
@@ -478,8 +484,9 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  else throw std::invalid_argument("mode must be 'mean' or 'bound', got '" + mode + "'");
                  const int32_t C = r.rt->config().chunk_tokens;
                  const int32_t n = int32_t((r.rt->n_past() + C - 1) / C);
+                 if (!r.summaries) throw std::invalid_argument("qk_scores: the runtime keeps no chunk summaries");
                  py::array_t<float> out(n);
-                 r.rt->qk_scores(m, out.mutable_data(), n);
+                 r.summaries->qk_scores(*r.rt, m, out.mutable_data(), n);
                  return out;
              }, py::arg("mode") = "bound",
              "Per-chunk scores of the sealed chunks' key summaries against the last query (needs chunk_summaries=True).")
@@ -487,7 +494,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  py::array_t<float> out(py::ssize_t(r.rt->n_past()));
                  {
                      py::gil_scoped_release nogil;
-                     r.rt->attention_scores(out.mutable_data(), r.rt->n_past());
+                     attention_scores(*r.rt, out.mutable_data(), r.rt->n_past());
                  }
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
@@ -509,7 +516,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  if (n_threads <= 0) n_threads = r.model->n_threads();
                  {
                      py::gil_scoped_release nogil;
-                     r.rt->history_attention(out.mutable_data(), n, n_threads, per_chunk,
+                     history_attention(*r.rt, out.mutable_data(), n, n_threads, per_chunk,
                                              groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count);
                  }
                  return out;

@@ -11,7 +11,8 @@
 #include <vector>
 
 #include "kvflash/limits.h"  // kMaxContext
-#include "kvflash/model.h"
+#include "kvflash/runtime.h"
+#include "kvflash/scoring.h"
 #include "kvflash/sampling.h"
 
 #ifndef KVFLASH_VERSION_STRING
@@ -44,7 +45,7 @@ struct kvflash_session {
         const int32_t n = n_chunks();
         if (!scored() || n == 0) return 0;
         scores.resize(size_t(n));
-        rt->history_attention(scores.data(), n, m->n_threads(), /*per_chunk=*/true);
+        kvflash::history_attention(*rt, scores.data(), n, m->n_threads(), /*per_chunk=*/true);
         ++rescores;
         return rt->pager().reselect(scores.data(), n);
     }
