@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,5 +53,6 @@ void bind_pager(py::module_ &m);
 void bind_model(py::module_ &m);
 RuntimeClass bind_runtime(py::module_ &m);
 void bind_scoring(RuntimeClass &cls);   // the scoring kernels, as Runtime methods
+void bind_gguf(py::module_ &m);         // gguf_metadata
 
 }  // namespace kvflash::bindings

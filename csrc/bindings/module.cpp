@@ -88,4 +88,5 @@ PYBIND11_MODULE(_core, m) {
     bind_model(m);
     RuntimeClass rt = bind_runtime(m);
     bind_scoring(rt);
+    bind_gguf(m);
 }
