@@ -89,7 +89,7 @@ py::array_t<uint8_t> pool_rows(py::object self, int32_t layer, bool v) {
 
 }  // namespace
 
-// One registration: the methods are thin (a check, then one core call), so they read best in one list.
+// Long on purpose: the methods are thin (a check, then one core call) and read best as one list.
 void bind_pager(py::module_ &m) {
     py::class_<PagerRef>(m, "Pager", R"doc(
 Fixed-size KV pool plus its chunk table, on the ggml CPU backend.

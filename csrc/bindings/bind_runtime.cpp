@@ -5,7 +5,7 @@
 
 namespace kvflash::bindings {
 
-// One registration each: a class's methods are thin (checks, then one core call) and read best as one list.
+// A class's methods are thin (checks, then one core call) and read best as one list.
 void bind_model(py::module_ &m) {
     py::class_<Model, std::shared_ptr<Model>>(m, "Model", R"doc(
 GGUF weights and hyper-parameters (immutable, shareable).
@@ -49,6 +49,7 @@ build without it, or for a CUDA device that is not visible.
         });
 }
 
+// Long on purpose, as bind_model: one list of thin methods.
 RuntimeClass bind_runtime(py::module_ &m) {
     RuntimeClass cls(m, "Runtime", R"doc(
 Per-session native state over a Model: the paged KV pool (kvflash) or a full

@@ -27,6 +27,8 @@ struct GGUFKeys {
     std::string file, arch;
     int64_t find(const std::string &k) const { return gguf_find_key(g, k.c_str()); }
     [[noreturn]] void bad(const std::string &k, const std::string &why) const;
+    // The key's id; -1 when absent and not required (bad() when required).
+    int64_t need(const std::string &k, bool required) const;
     // Any integer type; def when absent and not required.
     int64_t get_int(const std::string &k, int64_t def, bool required) const;
     // f32/f64, or an integer.

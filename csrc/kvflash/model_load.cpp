@@ -29,12 +29,15 @@ void GGUFKeys::bad(const std::string &k, const std::string &why) const {
     throw std::invalid_argument(file + ": metadata key '" + k + "' " + why);
 }
 
-int64_t GGUFKeys::get_int(const std::string &k, int64_t def, bool required) const {
+int64_t GGUFKeys::need(const std::string &k, bool required) const {
     const int64_t id = find(k);
-    if (id < 0) {
-        if (required) bad(k, "is missing");
-        return def;
-    }
+    if (id < 0 && required) bad(k, "is missing");
+    return id;
+}
+
+int64_t GGUFKeys::get_int(const std::string &k, int64_t def, bool required) const {
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
     switch (gguf_get_kv_type(g, id)) {
         case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, id);
         case GGUF_TYPE_INT8: return gguf_get_val_i8(g, id);
@@ -49,11 +52,8 @@ int64_t GGUFKeys::get_int(const std::string &k, int64_t def, bool required) cons
 }
 
 double GGUFKeys::get_float(const std::string &k, double def, bool required) const {
-    const int64_t id = find(k);
-    if (id < 0) {
-        if (required) bad(k, "is missing");
-        return def;
-    }
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
     switch (gguf_get_kv_type(g, id)) {
         case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g, id);
         case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g, id);
@@ -62,11 +62,8 @@ double GGUFKeys::get_float(const std::string &k, double def, bool required) cons
 }
 
 std::string GGUFKeys::get_str(const std::string &k, const std::string &def, bool required) const {
-    const int64_t id = find(k);
-    if (id < 0) {
-        if (required) bad(k, "is missing");
-        return def;
-    }
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
     if (gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) bad(k, "should be a string");
     return gguf_get_val_str(g, id);
 }

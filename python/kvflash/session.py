@@ -125,23 +125,7 @@ class Session:
         self._policy_note = ""
         self.policy = self._make_policy(policy, drafter)
 
-        n_paged = len(self.model.global_layers)
-        self.auto_reason = ""
-        if kvflash is None:
-            pool = 0
-        elif kvflash == "auto":
-            on_cuda = self.device.startswith("cuda")
-            pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
-                                               expect_drafter=self.policy.name == "drafter", device=self.device,
-                                               free_bytes=self.model.device_memory()[0] if on_cuda else None)
-            if pool >= (max_ctx + 255) // 256 * 256:
-                pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
-        else:
-            floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
-            if kvflash < floor:
-                raise ValueError(f"kvflash pool of {kvflash} tokens is below the minimum {floor} "
-                                 f"((sink + tail + 2) chunks of {chunk_tokens}, rounded up to 256)")
-            pool = kvflash
+        pool = self._pool_tokens(kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks)
         self.runtime = _core.Runtime(self.model, max_ctx=max_ctx, pool_tokens=pool, kv_type=kv_type,
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
@@ -167,6 +151,27 @@ class Session:
             print(self.banner, file=sys.stderr)
 
     # ------------------------------------------------------------------ setup
+    def _pool_tokens(self, kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks) -> int:
+        """The pool size for kvflash= (0: the full cache); sets auto_reason for "auto"."""
+        hp, max_ctx = self.hparams, self.max_ctx
+        n_paged = len(self.model.global_layers)
+        self.auto_reason = ""
+        if kvflash is None:
+            return 0
+        if kvflash == "auto":
+            on_cuda = self.device.startswith("cuda")
+            pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
+                                               expect_drafter=self.policy.name == "drafter", device=self.device,
+                                               free_bytes=self.model.device_memory()[0] if on_cuda else None)
+            if pool >= (max_ctx + 255) // 256 * 256:
+                pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
+            return pool
+        floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
+        if kvflash < floor:
+            raise ValueError(f"kvflash pool of {kvflash} tokens is below the minimum {floor} "
+                             f"((sink + tail + 2) chunks of {chunk_tokens}, rounded up to 256)")
+        return kvflash
+
     def _make_policy(self, policy, drafter) -> Policy:
         if isinstance(policy, str):
             if policy == "lru":
