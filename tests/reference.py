@@ -285,6 +285,8 @@ class RefModel:
         return m & self._visible_matrix(visible, n, il)
 
     # ---- forward -------------------------------------------------------
+    # Long on purpose: one pass that reads top to bottom in the model's op order (the
+    # independent reference the native graph is checked against).
     def forward(self, tokens, positions=None, visible: VisibleSpec = None, *,
                 kv_f16_roundtrip: bool | None = None, return_details: bool = False,
                 attn_fn: Callable[..., np.ndarray] | None = None):

@@ -4,7 +4,7 @@ These run only on a CUDA build on a machine with a GPU (bench/device/check.sh
 runs them on a lent GPU machine); everywhere else every test skips with the
 reason.  Nothing here is CUDA-specific in Python: they compare two runtimes.
 
-The Python API of a CUDA build (csrc/bindings/module.cpp; tests/test_device.py
+The Python API of a CUDA build (csrc/bindings/; tests/test_device.py
 covers the parts that behave the same in a CPU-only build):
 
     kvflash._core.cuda_available()        True: built with KVFLASH_CUDA=ON and a CUDA

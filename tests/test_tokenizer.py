@@ -1,7 +1,7 @@
 """Tests for kvflash.tokenizer (GGUF metadata -> tokenizers-library tokenizer).
 
-The modules are loaded from their files so these tests run without the native
-kvflash extension being built.  The reference vocabularies and their expected
+The modules are loaded from their files (the source tree's); reading a GGUF goes
+through the installed extension's ggml reader (kvflash.gguf_metadata).  The reference vocabularies and their expected
 tokenizations (ggml-vocab-*.gguf / .gguf.inp / .gguf.out) come from llama.cpp's
 models/ directory, fetched via kvflash._registry.vocab_dir().
 

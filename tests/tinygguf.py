@@ -156,6 +156,7 @@ def _add_extra_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
         raise TypeError(f"unsupported metadata value for {key}: {type(val)}")
 
 
+# Long on purpose: every key and tensor of the file, in the order it is written.
 def write_tiny_model(
     path: str | Path,
     arch: str,

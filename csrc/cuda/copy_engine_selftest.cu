@@ -125,6 +125,8 @@ void usage() {
                  "         [--legacy-stream] [--deferred] [--unsafe] [--verbose]\n");
 }
 
+// Long on purpose: the device segments, their host mirrors, the two pagers and the
+// streams are locals shared by both phases, which read top to bottom as the test runs.
 int run(const Options &o) {
     using clock = std::chrono::steady_clock;
     const auto t_start = clock::now();

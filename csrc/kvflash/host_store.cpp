@@ -100,4 +100,13 @@ uint8_t *HostStore::ptr(int32_t h) {
 
 const uint8_t *HostStore::ptr(int32_t h) const { return const_cast<HostStore *>(this)->ptr(h); }
 
+HostStore::Backing parse_host_backing(const std::string &host, const std::string &path) {
+    if (host == "ram") return HostStore::Backing::RAM;
+    if (host == "file" || host == "mmap") {
+        if (path.empty()) throw std::invalid_argument("host='file' needs host_path= (a file to create for the store)");
+        return HostStore::Backing::FILE;
+    }
+    throw std::invalid_argument("host must be 'ram' or 'file', got '" + host + "'");
+}
+
 }  // namespace kvflash

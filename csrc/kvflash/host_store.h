@@ -71,4 +71,8 @@ private:
     int32_t in_use_ = 0;
 };
 
+// The backing a host string names: "ram", or "file" (alias "mmap"), which needs path.
+// Throws std::invalid_argument otherwise; every entry point parses host here.
+HostStore::Backing parse_host_backing(const std::string &host, const std::string &path);
+
 }  // namespace kvflash

@@ -1,5 +1,4 @@
 #include "kvflash/kvflash.h"
-#include "kvflash/chunk_scores.h"
 #include "kvflash/pool.h"
 
 #include <algorithm>
@@ -13,7 +12,8 @@
 #include <vector>
 
 #include "kvflash/limits.h"  // kMaxContext
-#include "kvflash/model.h"
+#include "kvflash/runtime.h"
+#include "kvflash/scoring.h"
 #include "kvflash/sampling.h"
 
 #ifndef KVFLASH_VERSION_STRING

@@ -13,48 +13,17 @@ from . import _core
 from .devices import resolve_device
 from .models import DEFAULT_MODEL, resolve_model
 from .policies import ChunkView, LRUPolicy, Policy, validate_scores
+from .system import available_ram, usable_cores
 from .tokenizer import StreamDecoder, Tokenizer
 
 AUTO_CAP_TOKENS = 16384
 DRAFTER_DIRS = ("drafter", "draft")
 
 
-def physical_cores() -> int:
-    """Physical cores (not hyper-threads); ggml's CPU kernels scale with these."""
-    try:
-        cores = set()
-        phys = core = None
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    core = line.split(":")[1].strip()
-                elif not line.strip():
-                    if core is not None:
-                        cores.add((phys, core))
-                    phys = core = None
-        if cores:
-            return max(1, min(len(cores), os.cpu_count() or 1))
-    except OSError:
-        pass
-    return max(1, os.cpu_count() or 1)
-
-
-def available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
 def kv_bytes_per_token(hp: dict, kv_type: str, n_paged_layers: int) -> float:
     """Bytes of K+V per token across the paged layers, for a KV type."""
-    per_elem = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_type]
+    block_bytes, block_elems = _core.kv_type_size(kv_type)  # ggml's type traits
+    per_elem = block_bytes / block_elems
     return 2 * hp["head_dim"] * hp["n_head_kv"] * per_elem * n_paged_layers
 
 
@@ -131,7 +100,7 @@ class Session:
             raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
         device = resolve_device(device)
         self.model_path = resolve_model(model)
-        self.threads = threads or physical_cores()
+        self.threads = threads or usable_cores()
         self.model = _core.Model(str(self.model_path), self.threads, device=device)
         self.device = self.model.device
         hp = self.model.hparams
@@ -156,23 +125,7 @@ class Session:
         self._policy_note = ""
         self.policy = self._make_policy(policy, drafter)
 
-        n_paged = len(self.model.global_layers)
-        self.auto_reason = ""
-        if kvflash is None:
-            pool = 0
-        elif kvflash == "auto":
-            on_cuda = self.device.startswith("cuda")
-            pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
-                                               expect_drafter=self.policy.name == "drafter", device=self.device,
-                                               free_bytes=self.model.device_memory()[0] if on_cuda else None)
-            if pool >= (max_ctx + 255) // 256 * 256:
-                pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
-        else:
-            floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
-            if kvflash < floor:
-                raise ValueError(f"kvflash pool of {kvflash} tokens is below the minimum {floor} "
-                                 f"((sink + tail + 2) chunks of {chunk_tokens}, rounded up to 256)")
-            pool = kvflash
+        pool = self._pool_tokens(kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks)
         self.runtime = _core.Runtime(self.model, max_ctx=max_ctx, pool_tokens=pool, kv_type=kv_type,
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
@@ -198,6 +151,27 @@ class Session:
             print(self.banner, file=sys.stderr)
 
     # ------------------------------------------------------------------ setup
+    def _pool_tokens(self, kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks) -> int:
+        """The pool size for kvflash= (0: the full cache); sets auto_reason for "auto"."""
+        hp, max_ctx = self.hparams, self.max_ctx
+        n_paged = len(self.model.global_layers)
+        self.auto_reason = ""
+        if kvflash is None:
+            return 0
+        if kvflash == "auto":
+            on_cuda = self.device.startswith("cuda")
+            pool, self.auto_reason = auto_pool(hp, kv_type, n_paged, self.model.weight_bytes, max_ctx,
+                                               expect_drafter=self.policy.name == "drafter", device=self.device,
+                                               free_bytes=self.model.device_memory()[0] if on_cuda else None)
+            if pool >= (max_ctx + 255) // 256 * 256:
+                pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
+            return pool
+        floor = _core.min_pool_tokens(chunk_tokens, sink_chunks, tail_window_chunks)
+        if kvflash < floor:
+            raise ValueError(f"kvflash pool of {kvflash} tokens is below the minimum {floor} "
+                             f"((sink + tail + 2) chunks of {chunk_tokens}, rounded up to 256)")
+        return kvflash
+
     def _make_policy(self, policy, drafter) -> Policy:
         if isinstance(policy, str):
             if policy == "lru":

@@ -203,7 +203,7 @@ def cpu_model() -> str:
 
 def machine_info() -> dict:
     import kvflash
-    from kvflash.session import available_ram, physical_cores
+    from kvflash.system import available_ram, physical_cores
     from kvflash import _core
     try:
         load = os.getloadavg()

@@ -1,0 +1,223 @@
+// kvflash.Pager: the pool and its chunk table, standalone or a runtime's.
+#include <stdexcept>
+
+#include "bindings.h"
+#include "ggml-cpu.h"
+#include "kvflash/limits.h"
+
+namespace kvflash::bindings {
+
+namespace {
+
+// A standalone pager over a CPU-backend pool, for tests, benches and custom runtimes.
+struct StandalonePager {
+    ggml_backend_t backend = nullptr;
+    std::unique_ptr<PagedCache> cache;
+
+    StandalonePager(PagerConfig cfg, int32_t n_layers, int32_t n_embd_k, int32_t n_embd_v, const std::string &kv_type,
+                    const std::vector<int32_t> &layer_ids, const std::string &host, const std::string &host_path) {
+        if (n_layers <= 0) throw std::invalid_argument("n_layers must be >= 1, got " + std::to_string(n_layers));
+        if (!layer_ids.empty() && int32_t(layer_ids.size()) != n_layers)
+            throw std::invalid_argument("layer_ids has " + std::to_string(layer_ids.size()) + " entries for n_layers=" +
+                                        std::to_string(n_layers));
+        if (n_embd_v <= 0) n_embd_v = n_embd_k;
+        const ggml_type t = kv_type_from_name(kv_type);
+        cfg.validate();
+        std::vector<PoolLayerSpec> layers;
+        for (int32_t i = 0; i < n_layers; ++i) layers.push_back({layer_ids.empty() ? i : layer_ids[i], n_embd_k, n_embd_v});
+        const HostStore::Backing backing = parse_host_backing(host, host_path);
+        backend = ggml_backend_cpu_init();
+        if (!backend) throw std::runtime_error("cannot initialise the ggml CPU backend");
+        try {
+            cache = std::make_unique<PagedCache>(backend, layers, t, t, cfg, backing, host_path);
+        } catch (...) {
+            ggml_backend_free(backend);
+            throw;
+        }
+    }
+    ~StandalonePager() {
+        cache.reset();
+        if (backend) ggml_backend_free(backend);
+    }
+};
+
+void check_chunk(const Pager &p, int64_t c) {
+    if (c < 0 || c >= p.n_chunks())
+        throw std::out_of_range("chunk " + std::to_string(c) + " outside [0, " + std::to_string(p.n_chunks()) + ")");
+}
+
+py::dict stats_dict(const Pager &p, size_t pool_bytes) {
+    const PagerStats s = p.stats();
+    py::dict d;
+    d["page_outs"] = s.page_outs;
+    d["page_ins"] = s.page_ins;
+    d["clean_skips"] = s.clean_skips;
+    d["bytes_out"] = s.bytes_out;
+    d["bytes_in"] = s.bytes_in;
+    d["epoch"] = s.epoch;
+    d["resident_chunks"] = s.resident_chunks;
+    d["host_chunks"] = s.host_chunks;
+    d["materialised_chunks"] = s.materialised_chunks;
+    d["n_blocks"] = s.n_blocks;
+    d["free_blocks"] = s.free_blocks;
+    d["resident_bytes"] = pool_bytes;
+    d["host_bytes"] = s.host_bytes;
+    d["host_reserved_bytes"] = s.host_reserved_bytes;
+    return d;
+}
+
+py::array_t<float> as_scores(const Pager &p, py::object scores) {
+    auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(scores);
+    if (!a) throw std::invalid_argument("scores must be a 1-D array of numbers");
+    if (a.ndim() != 1) throw std::invalid_argument("scores must be 1-D (one score per chunk), got " + std::to_string(a.ndim()) + "-D");
+    if (a.shape(0) > p.n_chunks())
+        throw std::invalid_argument("scores has " + std::to_string(a.shape(0)) + " entries; the pager has " +
+                                    std::to_string(p.n_chunks()) + " chunks");
+    return a;
+}
+
+// A writable uint8 view [pool_tokens, row_bytes] of one layer's K (or V) rows; keeps self alive.
+py::array_t<uint8_t> pool_rows(py::object self, int32_t layer, bool v) {
+    PagerRef &s = self.cast<PagerRef &>();
+    if (layer < 0 || layer >= s.pool->n_layers())
+        throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
+    if (!s.pool->host_accessible()) throw std::invalid_argument("the pool is not in host memory");
+    ggml_tensor *t = v ? s.pool->v(layer) : s.pool->k(layer);
+    return py::array_t<uint8_t>({t->ne[1], int64_t(t->nb[1])}, {int64_t(t->nb[1]), int64_t(1)},
+                                static_cast<uint8_t *>(t->data), self);
+}
+
+}  // namespace
+
+// Long on purpose: the methods are thin (a check, then one core call) and read best as one list.
+void bind_pager(py::module_ &m) {
+    py::class_<PagerRef>(m, "Pager", R"doc(
+Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
+
+Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
+      layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None)
+)doc")
+        .def(py::init([](int32_t pool_tokens, int64_t max_ctx, int32_t n_layers, int32_t n_embd_k, py::object n_embd_v,
+                         const std::string &kv_type, py::object layer_ids, int32_t chunk_tokens, int32_t sink_chunks,
+                         int32_t tail_window_chunks, const std::string &host, py::object host_path) {
+                 PagerConfig cfg;
+                 cfg.chunk_tokens = chunk_tokens;
+                 cfg.pool_tokens = pool_tokens;
+                 cfg.sink_chunks = sink_chunks;
+                 cfg.tail_window_chunks = tail_window_chunks;
+                 cfg.max_ctx = max_ctx;
+                 auto own = std::make_shared<StandalonePager>(
+                     cfg, n_layers, n_embd_k, n_embd_v.is_none() ? n_embd_k : n_embd_v.cast<int32_t>(), kv_type,
+                     layer_ids.is_none() ? std::vector<int32_t>() : layer_ids.cast<std::vector<int32_t>>(), host,
+                     optional_path(host_path));
+                 auto ref = std::make_unique<PagerRef>();
+                 ref->p = own->cache->pager.get();
+                 ref->pool = own->cache->pool.get();
+                 ref->owner = own;
+                 return ref;
+             }),
+             py::kw_only(), py::arg("pool_tokens"), py::arg("max_ctx"), py::arg("n_layers") = 1, py::arg("n_embd_k") = 64,
+             py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
+             py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
+             py::arg("host") = "ram", py::arg("host_path") = py::none())
+        .def_property_readonly("pool_tokens", [](PagerRef &s) { return s.pg().config().pool_tokens; })
+        .def_property_readonly("chunk_tokens", [](PagerRef &s) { return s.pg().config().chunk_tokens; })
+        .def_property_readonly("max_ctx", [](PagerRef &s) { return s.pg().config().max_ctx; })
+        .def_property_readonly("sink_chunks", [](PagerRef &s) { return s.pg().config().sink_chunks; })
+        .def_property_readonly("tail_window_chunks", [](PagerRef &s) { return s.pg().config().tail_window_chunks; })
+        .def_property_readonly("n_blocks", [](PagerRef &s) { return s.pg().n_blocks(); })
+        .def_property_readonly("n_chunks", [](PagerRef &s) { return s.pg().n_chunks(); })
+        .def_property_readonly("n_layers", [](PagerRef &s) { return s.pool->n_layers(); })
+        .def_property_readonly("chunk_bytes", [](PagerRef &s) { return s.pool->chunk_bytes(); })
+        .def_property_readonly("pool_bytes", [](PagerRef &s) { return s.pool->bytes(); })
+        .def_property_readonly("head_chunk", [](PagerRef &s) { return s.pg().head_chunk(); })
+        .def_property_readonly("epoch", [](PagerRef &s) { return s.pg().epoch(); })
+        .def_property_readonly("stats", [](PagerRef &s) { return stats_dict(s.pg(), s.pool->bytes()); })
+        .def("alloc_span", [](PagerRef &s, int64_t pos0, int64_t n) -> py::object {
+                 if (n <= 0) throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
+                 check_span(pos0, n, s.pg().config().max_ctx, "alloc_span");
+                 py::array_t<int32_t> out(n);
+                 if (s.pg().alloc_span(pos0, int32_t(n), out.mutable_data()) == AllocResult::NO_ROOM) return py::none();
+                 return out;
+             }, py::arg("pos0"), py::arg("n"),
+             "Slots for positions [pos0, pos0+n) (int32 array), evicting/recalling as needed; None if no room.")
+        .def("slot_for", [](PagerRef &s, int64_t pos) -> py::object {
+                 check_span(pos, 1, s.pg().config().max_ctx, "slot_for");
+                 int32_t slot = -1;
+                 if (s.pg().alloc_span(pos, 1, &slot) == AllocResult::NO_ROOM) return py::none();
+                 return py::int_(slot);
+             }, py::arg("pos"))
+        .def("slot_of", [](PagerRef &s, int64_t pos) { return s.pg().slot_of(pos); }, py::arg("pos"),
+             "Slot of a written, resident position, or -1.")
+        .def("evict", [](PagerRef &s, int64_t c) { check_chunk(s.pg(), c); s.pg().evict(int32_t(c)); }, py::arg("chunk"))
+        .def("recall", [](PagerRef &s, int64_t c) {
+                 check_chunk(s.pg(), c);
+                 return s.pg().recall(int32_t(c)) == AllocResult::OK;
+             }, py::arg("chunk"), "Bring a paged-out chunk back; False if no block can be freed.")
+        .def("set_scores", [](PagerRef &s, py::object scores) {
+                 auto a = as_scores(s.pg(), scores);
+                 s.pg().set_scores(a.data(), int32_t(a.shape(0)));
+             }, py::arg("scores"))
+        .def("clear_scores", [](PagerRef &s) { s.pg().clear_scores(); })
+        .def("reselect", [](PagerRef &s, py::object scores) {
+                 auto a = as_scores(s.pg(), scores);
+                 return s.pg().reselect(a.data(), int32_t(a.shape(0)));
+             }, py::arg("scores"), "Repage to the top-scoring chunks; returns chunks moved.")
+        .def("truncate", [](PagerRef &s, int64_t n_past) { s.pg().truncate(n_past); }, py::arg("n_past"))
+        .def("reset", [](PagerRef &s) { s.pg().reset(); })
+        .def("mask", [](PagerRef &s, py::object q_positions, py::object n_kv, int32_t window) {
+                 auto q = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(q_positions);
+                 if (!q || q.ndim() != 1) throw std::invalid_argument("q_positions must be a 1-D array of positions");
+                 for (py::ssize_t i = 0; i < q.shape(0); ++i)
+                     if (q.data()[i] < 0) throw std::invalid_argument("q_positions must be >= 0");
+                 const int32_t P = s.pg().config().pool_tokens;
+                 const int32_t nkv = n_kv.is_none() ? P : n_kv.cast<int32_t>();
+                 if (nkv < P) throw std::invalid_argument("n_kv must be >= pool_tokens (" + std::to_string(P) + ")");
+                 if (window < 0) throw std::invalid_argument("window must be >= 0");
+                 py::array_t<uint16_t> out({q.shape(0), py::ssize_t(nkv)});
+                 s.pg().fill_mask(q.data(), int32_t(q.shape(0)), out.mutable_data(), nkv, window);
+                 return out.attr("view")("float16");
+             }, py::arg("q_positions"), py::arg("n_kv") = py::none(), py::arg("window") = 0,
+             "F16 mask [n_q, n_kv]: 0 where the slot holds a visible position, -inf elsewhere.")
+        .def("slot_positions", [](PagerRef &s) {
+                 const auto &v = s.pg().slot_positions();
+                 return py::array_t<int64_t>(py::ssize_t(v.size()), v.data());
+             })
+        .def("chunk_table", [](PagerRef &s) {
+                 Pager &p = s.pg();
+                 const int32_t n = p.n_chunks();
+                 py::array_t<int32_t> block(n), host(n);
+                 py::array_t<bool> dirty(n), prot(n), mat(n);
+                 for (int32_t c = 0; c < n; ++c) {
+                     block.mutable_data()[c] = p.block_of(c);
+                     host.mutable_data()[c] = p.host_of(c);
+                     dirty.mutable_data()[c] = p.is_dirty(c);
+                     prot.mutable_data()[c] = p.is_materialised(c) && p.is_protected(c);
+                     mat.mutable_data()[c] = p.is_materialised(c);
+                 }
+                 py::dict d;
+                 d["block"] = block; d["host"] = host; d["dirty"] = dirty; d["protected"] = prot; d["materialised"] = mat;
+                 return d;
+             }, "Per-chunk arrays: block (-1 not resident), host (-1 none), dirty, protected, materialised.")
+        .def("scores", [](PagerRef &s) -> py::object {
+                 if (!s.pg().has_scores()) return py::none();
+                 const auto &v = s.pg().scores();
+                 return py::array_t<float>(py::ssize_t(v.size()), v.data());
+             })
+        .def("check_invariants", [](PagerRef &s) {
+                 try { s.pg().check_invariants(); }
+                 catch (const std::logic_error &e) { throw py::value_error(e.what()); }
+             }, "Raise ValueError describing the first broken invariant.")
+        .def("dump", [](PagerRef &s) { return s.pg().dump(); })
+        .def("k_rows", [](py::object self, int32_t layer) { return pool_rows(self, layer, false); }, py::arg("layer"),
+             "Writable uint8 view [pool_tokens, row_bytes] of layer's K rows.")
+        .def("v_rows", [](py::object self, int32_t layer) { return pool_rows(self, layer, true); }, py::arg("layer"),
+             "Writable uint8 view [pool_tokens, row_bytes] of layer's V rows.")
+        .def("__repr__", [](PagerRef &s) {
+                 const auto &c = s.pg().config();
+                 return "<kvflash.Pager pool_tokens=" + std::to_string(c.pool_tokens) + " max_ctx=" +
+                        std::to_string(c.max_ctx) + " chunk_tokens=" + std::to_string(c.chunk_tokens) + ">";
+             });
+}
+
+}  // namespace kvflash::bindings

@@ -1,0 +1,169 @@
+// kvflash._core.Model and Runtime: loading, evaluation, sampling and the cache's lifecycle.
+#include <stdexcept>
+
+#include "bindings.h"
+
+namespace kvflash::bindings {
+
+// A class's methods are thin (checks, then one core call) and read best as one list.
+void bind_model(py::module_ &m) {
+    py::class_<Model, std::shared_ptr<Model>>(m, "Model", R"doc(
+GGUF weights and hyper-parameters (immutable, shareable).
+
+Model(path, n_threads=0, device="cpu"): device "cpu", "cuda" (= "cuda:0") or "cuda:N".
+On CUDA the weights are uploaded to the device and every Runtime over the model
+computes there (pool, sliding-window ring and graphs in device memory, paged
+chunks in a pinned host slab).  ValueError for an unknown device, for CUDA in a
+build without it, or for a CUDA device that is not visible.
+)doc")
+        .def(py::init([](py::object path, int32_t n_threads, const std::string &device) {
+                 if (n_threads < 0) throw std::invalid_argument("n_threads must be >= 0 (0: all cores)");
+                 std::string p = py::str(path).cast<std::string>();
+                 py::gil_scoped_release nogil;
+                 return Model::load(p, n_threads, device);
+             }), py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu")
+        .def_property_readonly("path", &Model::path)
+        .def_property_readonly("device", [](const Model &m) { return m.device().name(); },
+                               "'cpu' or 'cuda:N'.")
+        .def("device_memory", &Model::device_memory,
+             "(free, total) bytes of the model's device now (ggml's device memory query; on CUDA free is what is "
+             "left after the weights and everything else allocated; on the CPU ggml reports free == total).")
+        .def_property_readonly("weight_bytes", &Model::weight_bytes)
+        .def_property("n_threads", &Model::n_threads, [](Model &m, int32_t n) {
+            if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
+            m.set_n_threads(n);
+        })
+        .def_property_readonly("global_layers", &Model::global_layers)
+        .def_property_readonly("hparams", [](const Model &m) {
+            const Hparams &h = m.hparams();
+            py::dict d;
+            d["arch"] = h.arch;
+            d["n_layer"] = h.n_layer; d["n_embd"] = h.n_embd; d["n_ff"] = h.n_ff;
+            d["n_head"] = h.n_head; d["n_head_kv"] = h.n_head_kv; d["head_dim"] = h.head_dim_k;
+            d["n_vocab"] = h.n_vocab; d["n_ctx_train"] = h.n_ctx_train; d["rms_eps"] = h.rms_eps;
+            d["rope_base"] = h.rope_base; d["rope_base_swa"] = h.rope_base_swa; d["rope_mode"] = h.rope_mode;
+            d["n_swa"] = h.n_swa; d["attn_scale"] = h.attn_scale;
+            std::vector<bool> swa(h.is_swa.begin(), h.is_swa.end());
+            d["is_swa"] = swa;
+            return d;
+        });
+}
+
+// Long on purpose, as bind_model: one list of thin methods.
+RuntimeClass bind_runtime(py::module_ &m) {
+    RuntimeClass cls(m, "Runtime", R"doc(
+Per-session native state over a Model: the paged KV pool (kvflash) or a full
+cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
+)doc");
+    cls.def(py::init([](std::shared_ptr<Model> model, int64_t max_ctx, int32_t pool_tokens, const std::string &kv_type,
+                         int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
+                         const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
+                         int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries,
+                         int32_t prefill_piece, int32_t eval_layers) {
+                 if (prefill_piece < 0) throw std::invalid_argument("prefill_piece must be >= 0 (0: chunk_tokens)");
+                 if (capture_queries < 0 || capture_queries > 4096)
+                     throw std::invalid_argument("capture_queries must be in [0, 4096]");
+                 if (!model) throw std::invalid_argument("model is required");
+                 if (pool_tokens < 0) throw std::invalid_argument("pool_tokens must be >= 0 (0: full cache)");
+                 if (ubatch <= 0) throw std::invalid_argument("ubatch must be >= 1");
+                 RuntimeConfig c;
+                 c.max_ctx = max_ctx; c.pool_tokens = pool_tokens; c.kv_type = kv_type; c.chunk_tokens = chunk_tokens;
+                 c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks; c.ubatch = ubatch;
+                 c.host = host;  // parsed by the core (parse_host_backing), as for the Pager
+                 c.host_path = optional_path(host_path);
+                 c.attn = attn;
+                 c.pool_attn_max_tokens = pool_attn_max_tokens;
+                 c.capture_queries = capture_queries;
+                 c.prefill_piece = prefill_piece;
+                 c.eval_layers = eval_layers;
+                 auto r = std::make_shared<PyRuntime>();
+                 r->model = model;
+                 r->rt = std::make_unique<Runtime>(model, c);
+                 if (chunk_summaries) {
+                     r->summaries = std::make_shared<ChunkSummaries>();
+                     r->rt->set_observer(r->summaries);
+                 }
+                 r->sampler.seed(seed);
+                 return r;
+             }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
+             py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
+             py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
+             py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
+             py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
+             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0)
+        .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
+        .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
+        .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })
+        .def_property_readonly("eval_layers", [](PyRuntime &r) { return r.rt->config().eval_layers; },
+                               "0: all layers; > 0: a scoring runtime over the first eval_layers layers (no logits)")
+        .def_property_readonly("pool_tokens", [](PyRuntime &r) { return r.rt->pool().pool_tokens(); })
+        .def_property_readonly("pool_bytes", [](PyRuntime &r) { return r.rt->pool().bytes(); })
+        .def_property_readonly("swa_bytes", [](PyRuntime &r) { return r.rt->swa_bytes(); })
+        .def_property_readonly("n_vocab", [](PyRuntime &r) { return r.model->hparams().n_vocab; })
+        .def_property_readonly("model", [](PyRuntime &r) { return r.model; })
+        .def_property_readonly("pager", [](std::shared_ptr<PyRuntime> r) {
+            PagerRef ref;
+            ref.owner = r;
+            ref.p = &r->rt->pager();
+            ref.pool = &r->rt->pool();
+            return ref;
+        })
+        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits) {
+                 auto t = token_ids(tokens);
+                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(n), py::ssize_t(V)})
+                                                     : py::array_t<float>(py::ssize_t(V));
+                 float *o = out.mutable_data();
+                 const int32_t *tp = t.data();
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->eval(tp, n, all_logits, o);
+                 }
+                 return out;
+             }, py::arg("tokens"), py::arg("all_logits") = false,
+             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].")
+        .def("eval_sample", [](PyRuntime &r, py::array tokens, float temperature, int32_t top_k, float top_p, float min_p) {
+                 if (r.rt->config().eval_layers > 0)
+                     throw std::invalid_argument("eval_sample: this runtime evaluates only its first " +
+                                                 std::to_string(r.rt->config().eval_layers) +
+                                                 " layers (a scoring runtime) and has no logits to sample");
+                 auto t = token_ids(tokens);
+                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
+                 r.logits.resize(V);
+                 const int32_t *tp = t.data();
+                 int32_t tok;
+                 {
+                     py::gil_scoped_release nogil;
+                     r.rt->eval(tp, n, false, r.logits.data());
+                     tok = r.sampler.sample(r.logits.data(), V, sp);
+                 }
+                 return tok;
+             }, py::arg("tokens"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, "Append tokens and sample the next token id from the last logits.")
+        .def("sample", [](PyRuntime &r, py::array logits, float temperature, int32_t top_k, float top_p, float min_p) {
+                 auto l = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(logits);
+                 const int32_t V = r.model->hparams().n_vocab;
+                 if (!l || l.ndim() != 1 || l.shape(0) != V)
+                     throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
+                 const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
+                 return r.sampler.sample(l.data(), V, sp);
+             }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
+        .def("last_logits", [](PyRuntime &r) {
+                 return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
+             })
+        .def("seed", [](PyRuntime &r, uint64_t s) { r.sampler.seed(s); }, py::arg("seed"))
+        .def("truncate", [](PyRuntime &r, int64_t n) { r.rt->truncate(n); }, py::arg("n_past"))
+        .def("reset", [](PyRuntime &r) { r.rt->reset(); })
+        .def_property_readonly("timings", [](PyRuntime &r) {
+            const RuntimeStats &s = r.rt->stats();
+            py::dict d;
+            d["eval_calls"] = s.n_eval_calls; d["tokens"] = s.n_tokens_evaluated;
+            d["graph_ms"] = s.t_graph_ms; d["compute_ms"] = s.t_compute_ms; d["mask_ms"] = s.t_mask_ms;
+            return d;
+        });
+    return cls;
+}
+
+}  // namespace kvflash::bindings

@@ -1,0 +1,104 @@
+// Architecture families: what each reads from a GGUF and how its layers compute.
+//
+// A family is one ArchOps in one arch_*.cpp file, listed once in KVFLASH_ARCHS
+// (arch.cpp).  Model::load reads the keys and tensors every family shares, then
+// calls the family's read_hparams and load_layer; Runtime builds the graph as
+// embed, then layer for each evaluated layer, then the shared head.  A family's
+// layer gets its attention from Forward::attention, the one block that reads and
+// writes the paged pool (or the sliding-window ring).
+//
+// Shapes follow ggml order (innermost first).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ggml.h"
+#include "gguf.h"
+#include "kvflash/attn_cpu.h"
+#include "kvflash/model.h"
+
+namespace kvflash {
+
+// Typed reads of GGUF metadata; every failure is std::invalid_argument naming the file and key.
+struct GGUFKeys {
+    gguf_context *g;
+    std::string file, arch;
+    int64_t find(const std::string &k) const { return gguf_find_key(g, k.c_str()); }
+    [[noreturn]] void bad(const std::string &k, const std::string &why) const;
+    // The key's id; -1 when absent and not required (bad() when required).
+    int64_t need(const std::string &k, bool required) const;
+    // Any integer type; def when absent and not required.
+    int64_t get_int(const std::string &k, int64_t def, bool required) const;
+    // f32/f64, or an integer.
+    double get_float(const std::string &k, double def, bool required) const;
+    std::string get_str(const std::string &k, const std::string &def, bool required) const;
+    // The same under "<arch>.": a() required by default, f() optional.
+    int64_t a(const char *suffix, int64_t def = 0, bool req = true) const { return get_int(arch + "." + suffix, def, req); }
+    double f(const char *suffix, double def = 0, bool req = false) const { return get_float(arch + "." + suffix, def, req); }
+    bool has(const char *suffix) const { return find(arch + "." + suffix) >= 0; }
+};
+
+// Weight lookup with its shape checked (std::invalid_argument when missing or misshapen).
+struct TensorLoader {
+    std::string file;
+    ggml_context *meta;
+    // shape in ggml order; trailing dims of the tensor must be 1.
+    ggml_tensor *get(const std::string &name, const std::vector<int64_t> &shape, bool required = true) const;
+    static std::string weight(int32_t il, const char *what) { return "blk." + std::to_string(il) + "." + what + ".weight"; }
+    static std::string bias(int32_t il, const char *what) { return "blk." + std::to_string(il) + "." + what + ".bias"; }
+};
+
+// Where one layer's K/V rows live while a graph is built.
+struct LayerCache {
+    ggml_tensor *k = nullptr, *v = nullptr;   // stored rows [n_embd_k, n_rows], [n_embd_v, n_rows]
+    ggml_tensor *slots = nullptr;             // [n] i64: the row each new token is written to
+    ggml_tensor *mask = nullptr;              // [n_kv, n] f16: 0 visible, -inf not
+    int64_t n_kv = 0;                         // rows attended over (a prefix of the stored rows)
+    PoolAttnParams *params = nullptr;         // the CPU pool kernel's parameters (stable address)
+    bool paged = false;                       // a pool layer (its queries may be captured)
+};
+
+// One forward graph being built over n tokens: inputs, caches and the shared blocks.
+struct Forward {
+    ggml_context *ctx = nullptr;
+    ggml_cgraph *gf = nullptr;
+    const Model *model = nullptr;
+    const Hparams *hp = nullptr;
+    int32_t n = 0;
+    ggml_tensor *tokens = nullptr, *pos = nullptr;   // [n] i32 each
+    std::vector<LayerCache> caches;                  // per evaluated layer
+    bool pool_attn = false;                          // kvflash's CPU kernel, else ggml_flash_attn_ext
+    int32_t n_capture = 0;                           // queries of the last n_capture tokens kept per paged layer
+    std::vector<ggml_tensor *> q_out;                // captured queries: [D, H, n_capture] per paged layer
+
+    // t: [n_embd or D, ...]; RMS norm times w.
+    ggml_tensor *norm(ggml_tensor *t, ggml_tensor *w) const;
+    // The attention-over-pool block of layer il.  q: [D, H, n], k: [D, Hkv, n] (normed, pre-RoPE),
+    // v: [n_embd_v, n].  RoPE (the layer's base: sliding or global), the query capture, q *= q_scale
+    // (skipped when 1), K/V stored at the slots, attention with softmax scale kq_scale over the
+    // layer's visible rows.  Returns [D*H, n].
+    ggml_tensor *attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale, float kq_scale);
+    // x: [n_embd, n] -> logits [n_vocab, n or 1]: output norm, output matrix, softcap when set.
+    ggml_tensor *head(ggml_tensor *x, bool all_logits) const;
+};
+
+struct ArchOps {
+    const char *name;   // general.architecture
+    // After the shared keys: this family's own keys and variant switches (rope mode, scales, windows).
+    void (*read_hparams)(const GGUFKeys &kv, Hparams &hp);
+    // After the shared tensors of layer il: the family's own (biases, q/k norms, post norms).
+    void (*load_layer)(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L);
+    // Token embedding: returns x [n_embd, n].
+    ggml_tensor *(*embed)(Forward &f);
+    // Layer il over x [n_embd, n]; returns the residual stream after it.
+    ggml_tensor *(*layer)(Forward &f, int32_t il, ggml_tensor *x);
+};
+
+// The family registered under a general.architecture value, or nullptr.
+const ArchOps *find_arch(const std::string &name);
+// "llama, qwen2, ..." in registration order (for error messages).
+std::string arch_list();
+
+}  // namespace kvflash

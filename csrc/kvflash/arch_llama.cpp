@@ -1,0 +1,60 @@
+// The llama family: llama, and two switches on it -- qwen2 (q/k/v biases) and
+// qwen3 (RMS norms on q and k per head).  Both qwen variants use NEOX RoPE.
+#include "kvflash/arch.h"
+
+namespace kvflash {
+
+namespace {
+
+void read_llama(const GGUFKeys &, Hparams &hp) { hp.rope_mode = 0; }
+void read_neox(const GGUFKeys &, Hparams &hp) { hp.rope_mode = GGML_ROPE_TYPE_NEOX; }
+
+void load_none(const TensorLoader &, const Hparams &, int32_t, LayerWeights &) {}
+
+void load_qwen2(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
+    L.bq = t.get(TensorLoader::bias(il, "attn_q"), {int64_t(hp.head_dim_k) * hp.n_head});
+    L.bk = t.get(TensorLoader::bias(il, "attn_k"), {hp.n_embd_k()});
+    L.bv = t.get(TensorLoader::bias(il, "attn_v"), {hp.n_embd_v()});
+}
+
+void load_qwen3(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
+    L.q_norm = t.get(TensorLoader::weight(il, "attn_q_norm"), {hp.head_dim_k});
+    L.k_norm = t.get(TensorLoader::weight(il, "attn_k_norm"), {hp.head_dim_k});
+}
+
+ggml_tensor *embed(Forward &f) { return ggml_get_rows(f.ctx, f.model->tok_embd, f.tokens); }
+
+// x: [n_embd, n] -> [n_embd, n]: pre-norm attention and SwiGLU FFN, each a residual.
+ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
+    ggml_context *ctx = f.ctx;
+    const Hparams &hp = *f.hp;
+    const LayerWeights &L = f.model->layers[il];
+    ggml_tensor *cur = f.norm(x, L.attn_norm);
+    ggml_tensor *q = ggml_mul_mat(ctx, L.wq, cur);
+    ggml_tensor *k = ggml_mul_mat(ctx, L.wk, cur);
+    ggml_tensor *v = ggml_mul_mat(ctx, L.wv, cur);
+    if (L.bq) { q = ggml_add(ctx, q, L.bq); k = ggml_add(ctx, k, L.bk); v = ggml_add(ctx, v, L.bv); }
+    q = ggml_reshape_3d(ctx, q, hp.head_dim_k, hp.n_head, f.n);     // [D, H, n]
+    k = ggml_reshape_3d(ctx, k, hp.head_dim_k, hp.n_head_kv, f.n);  // [D, Hkv, n]
+    if (L.q_norm) {
+        q = f.norm(q, L.q_norm);
+        k = f.norm(k, L.k_norm);
+    }
+    cur = f.attention(il, q, k, v, 1.0f, hp.attn_scale);
+    cur = ggml_mul_mat(ctx, L.wo, cur);
+    x = ggml_add(ctx, x, cur);
+
+    cur = f.norm(x, L.ffn_norm);
+    cur = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, cur), ggml_mul_mat(ctx, L.ffn_up, cur));
+    cur = ggml_mul_mat(ctx, L.ffn_down, cur);
+    return ggml_add(ctx, x, cur);
+}
+
+}  // namespace
+
+extern const ArchOps kArchLlama, kArchQwen2, kArchQwen3;
+const ArchOps kArchLlama{"llama", read_llama, load_none, embed, layer};
+const ArchOps kArchQwen2{"qwen2", read_neox, load_qwen2, embed, layer};
+const ArchOps kArchQwen3{"qwen3", read_neox, load_qwen3, embed, layer};
+
+}  // namespace kvflash

@@ -1,0 +1,322 @@
+// Model::load: a GGUF file checked key by key and tensor by tensor, then its
+// weights placed on the backend (mapped on the CPU, uploaded on CUDA).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ggml-cpu.h"
+#include "kvflash/arch.h"
+#include "kvflash/limits.h"
+#include "kvflash/model.h"
+#ifdef KVFLASH_WITH_CUDA
+#include "ggml-cuda.h"
+#endif
+
+namespace kvflash {
+
+// ---------------------------------------------------------------- typed metadata
+
+void GGUFKeys::bad(const std::string &k, const std::string &why) const {
+    throw std::invalid_argument(file + ": metadata key '" + k + "' " + why);
+}
+
+int64_t GGUFKeys::need(const std::string &k, bool required) const {
+    const int64_t id = find(k);
+    if (id < 0 && required) bad(k, "is missing");
+    return id;
+}
+
+int64_t GGUFKeys::get_int(const std::string &k, int64_t def, bool required) const {
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, id);
+        case GGUF_TYPE_INT8: return gguf_get_val_i8(g, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_INT16: return gguf_get_val_i16(g, id);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT64: return int64_t(gguf_get_val_u64(g, id));
+        case GGUF_TYPE_INT64: return gguf_get_val_i64(g, id);
+        default: bad(k, "should be an integer");
+    }
+}
+
+double GGUFKeys::get_float(const std::string &k, double def, bool required) const {
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g, id);
+        case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g, id);
+        default: return double(get_int(k, 0, true));
+    }
+}
+
+std::string GGUFKeys::get_str(const std::string &k, const std::string &def, bool required) const {
+    const int64_t id = need(k, required);
+    if (id < 0) return def;
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) bad(k, "should be a string");
+    return gguf_get_val_str(g, id);
+}
+
+ggml_tensor *TensorLoader::get(const std::string &name, const std::vector<int64_t> &shape, bool required) const {
+    ggml_tensor *t = ggml_get_tensor(meta, name.c_str());
+    if (!t) {
+        if (required) throw std::invalid_argument(file + ": missing tensor '" + name + "'");
+        return nullptr;
+    }
+    bool ok = ggml_n_dims(t) <= int(shape.size());
+    for (size_t d = 0; d < 4; ++d) ok = ok && t->ne[d] == (d < shape.size() ? shape[d] : 1);
+    if (!ok) {
+        std::string want, got;
+        for (size_t d = 0; d < shape.size(); ++d) want += (d ? ", " : "") + std::to_string(shape[d]);
+        for (int d = 0; d < ggml_n_dims(t); ++d) got += (d ? ", " : "") + std::to_string(t->ne[d]);
+        throw std::invalid_argument(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
+    }
+    return t;
+}
+
+// ---------------------------------------------------------------- hyper-parameters
+
+namespace {
+
+void check_positive(const std::string &file, const char *what, int64_t v, int64_t limit = int64_t(1) << 30) {
+    if (v <= 0 || v > limit)
+        throw std::invalid_argument(file + ": " + what + " = " + std::to_string(v) + " is out of range");
+}
+
+[[maybe_unused]] std::string mib(size_t bytes) { return std::to_string((bytes + (1u << 19)) >> 20) + " MiB"; }
+
+// The keys every family shares; the family's read_hparams runs after.
+Hparams read_common_hparams(const GGUFKeys &kv) {
+    Hparams hp;
+    hp.arch = kv.arch;
+    hp.n_layer = int32_t(kv.a("block_count"));
+    hp.n_embd = int32_t(kv.a("embedding_length"));
+    hp.n_ff = int32_t(kv.a("feed_forward_length"));
+    hp.n_head = int32_t(kv.a("attention.head_count"));
+    hp.n_head_kv = int32_t(kv.a("attention.head_count_kv", hp.n_head, false));
+    check_positive(kv.file, "block_count", hp.n_layer, 4096);
+    check_positive(kv.file, "embedding_length", hp.n_embd);
+    check_positive(kv.file, "feed_forward_length", hp.n_ff);
+    check_positive(kv.file, "attention.head_count", hp.n_head, 4096);
+    check_positive(kv.file, "attention.head_count_kv", hp.n_head_kv, 4096);
+    if (hp.n_head % hp.n_head_kv != 0)
+        throw std::invalid_argument(kv.file + ": head_count " + std::to_string(hp.n_head) +
+                                    " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
+    if (hp.n_embd % hp.n_head != 0 && !kv.has("attention.key_length"))
+        throw std::invalid_argument(kv.file + ": embedding_length not divisible by head_count and no key_length");
+    hp.head_dim_k = int32_t(kv.a("attention.key_length", hp.n_embd / hp.n_head, false));
+    hp.head_dim_v = int32_t(kv.a("attention.value_length", hp.head_dim_k, false));
+    check_positive(kv.file, "attention.key_length", hp.head_dim_k, 1024);
+    check_positive(kv.file, "attention.value_length", hp.head_dim_v, 1024);
+    if (hp.head_dim_k != hp.head_dim_v)
+        throw std::invalid_argument(kv.file + ": key_length != value_length is not supported");
+    hp.n_rot = int32_t(kv.a("rope.dimension_count", hp.head_dim_k, false));
+    if (hp.n_rot != hp.head_dim_k)
+        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(hp.n_rot) +
+                                    " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported");
+    hp.n_ctx_train = kv.a("context_length", 4096, false);
+    check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
+    if (hp.n_ctx_train > kMaxContext) {
+        // The trained context becomes the default max_ctx: clamp it, loudly, to what kvflash addresses.
+        std::fprintf(stderr, "[kvflash] %s: context_length %lld is above the largest context kvflash addresses; "
+                     "using %lld\n", kv.file.c_str(), (long long)hp.n_ctx_train, (long long)kMaxContext);
+        hp.n_ctx_train = kMaxContext;
+    }
+    hp.rms_eps = float(kv.f("attention.layer_norm_rms_epsilon", 1e-5, true));
+    if (!(hp.rms_eps > 0.f) || hp.rms_eps > 1.f)
+        throw std::invalid_argument(kv.file + ": layer_norm_rms_epsilon out of range");
+    hp.rope_base = float(kv.f("rope.freq_base", 10000.0));
+    const std::string scaling = kv.get_str(kv.arch + ".rope.scaling.type", "none", false);
+    if (scaling == "linear") {
+        const double factor = kv.f("rope.scaling.factor", 1.0);
+        if (!(factor > 0)) throw std::invalid_argument(kv.file + ": rope.scaling.factor must be > 0");
+        hp.rope_scale = float(1.0 / factor);
+    } else if (scaling != "none" && !scaling.empty()) {
+        throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear)");
+    }
+    hp.is_swa.assign(hp.n_layer, 0);
+    hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
+    return hp;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- loading
+
+std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device) {
+    // The device first: a bad device string fails before any file work.
+    const Device dev = parse_device(device);
+    check_device_visible(dev, device);
+    std::shared_ptr<Model> m(new Model());
+    m->path_ = path;
+    m->device_ = dev;
+    m->read_header(path);
+    m->read_tensors();
+    m->place_weights(n_threads > 0 ? n_threads : int32_t(std::max(1u, std::thread::hardware_concurrency())));
+    return m;
+}
+
+void Model::read_header(const std::string &path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) throw std::invalid_argument(path + ": no such file");
+    if (!S_ISREG(st.st_mode)) throw std::invalid_argument(path + ": not a regular file");
+    {
+        // Check the magic ourselves: gguf_init_from_file only logs on failure.
+        char magic[4] = {0, 0, 0, 0};
+        FILE *f = std::fopen(path.c_str(), "rb");
+        if (!f) throw std::invalid_argument(path + ": cannot open");
+        const size_t got = std::fread(magic, 1, 4, f);
+        std::fclose(f);
+        if (got != 4 || std::memcmp(magic, "GGUF", 4) != 0) throw std::invalid_argument(path + ": not a GGUF file");
+    }
+    gguf_init_params gp{true, &meta_};
+    gguf_ = gguf_init_from_file(path.c_str(), gp);
+    if (!gguf_) throw std::invalid_argument(path + ": corrupt or truncated GGUF header");
+    map_bytes_ = size_t(st.st_size);
+
+    // Every tensor's bytes must lie inside the file.
+    const size_t data_off = gguf_get_data_offset(gguf_);
+    for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
+        const char *name = gguf_get_tensor_name(gguf_, i);
+        const size_t end = data_off + gguf_get_tensor_offset(gguf_, i) + ggml_nbytes(ggml_get_tensor(meta_, name));
+        if (end > size_t(st.st_size))
+            throw std::invalid_argument(path + ": truncated: tensor '" + name + "' ends at byte " + std::to_string(end) +
+                                        " but the file has " + std::to_string(st.st_size));
+    }
+
+    GGUFKeys kv{gguf_, path, ""};
+    kv.arch = kv.get_str("general.architecture", "", true);
+    arch_ = find_arch(kv.arch);
+    if (!arch_)
+        throw std::invalid_argument(path + ": unsupported architecture '" + kv.arch + "' (supported: " + arch_list() + ")");
+    hp_ = read_common_hparams(kv);
+    arch_->read_hparams(kv, hp_);
+}
+
+void Model::read_tensors() {
+    const TensorLoader t{path_, meta_};
+    Hparams &hp = hp_;
+    const int64_t E = hp.n_embd, nq = int64_t(hp.head_dim_k) * hp.n_head, nk = hp.n_embd_k(), nv = hp.n_embd_v();
+    tok_embd = ggml_get_tensor(meta_, "token_embd.weight");
+    if (!tok_embd) throw std::invalid_argument(path_ + ": missing tensor 'token_embd.weight'");
+    if (tok_embd->ne[0] != E || ggml_n_dims(tok_embd) != 2)
+        throw std::invalid_argument(path_ + ": tensor 'token_embd.weight' must be [n_embd=" + std::to_string(E) + ", n_vocab]");
+    hp.n_vocab = int32_t(tok_embd->ne[1]);
+    const int64_t V = hp.n_vocab;
+    const int64_t vocab_kv = GGUFKeys{gguf_, path_, hp.arch}.a("vocab_size", V, false);
+    if (vocab_kv != V)
+        throw std::invalid_argument(path_ + ": vocab_size " + std::to_string(vocab_kv) + " disagrees with token_embd (" +
+                                    std::to_string(V) + ")");
+    output_norm = t.get("output_norm.weight", {E});
+    output = t.get("output.weight", {E, V}, false);
+    if (!output) output = tok_embd;
+    layers.resize(hp.n_layer);
+    for (int32_t il = 0; il < hp.n_layer; ++il) {
+        auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
+        LayerWeights &L = layers[il];
+        L.attn_norm = t.get(w("attn_norm"), {E});
+        L.wq = t.get(w("attn_q"), {E, nq});
+        L.wk = t.get(w("attn_k"), {E, nk});
+        L.wv = t.get(w("attn_v"), {E, nv});
+        L.wo = t.get(w("attn_output"), {nq, E});
+        L.ffn_norm = t.get(w("ffn_norm"), {E});
+        L.ffn_gate = t.get(w("ffn_gate"), {E, hp.n_ff});
+        L.ffn_up = t.get(w("ffn_up"), {E, hp.n_ff});
+        L.ffn_down = t.get(w("ffn_down"), {hp.n_ff, E});
+        arch_->load_layer(t, hp, il, L);
+    }
+}
+
+void Model::place_weights(int32_t threads) {
+    // Map the file; the CPU backend points the tensors into it (no copy),
+    // CUDA uploads them into one device buffer and drops the mapping.
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::invalid_argument(path_ + ": cannot open");
+    map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (map_ == MAP_FAILED) {
+        map_ = nullptr;
+        throw std::runtime_error(path_ + ": mmap failed");
+    }
+    const size_t data_off = gguf_get_data_offset(gguf_);
+    const int64_t n_tensors = gguf_get_n_tensors(gguf_);
+    auto nth = [&](int64_t i) { return ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i)); };
+    auto file_bytes = [&](int64_t i) { return static_cast<char *>(map_) + data_off + gguf_get_tensor_offset(gguf_, i); };
+    if (device_.kind == Device::Kind::CUDA) {
+#ifdef KVFLASH_WITH_CUDA
+        backend_ = ggml_backend_cuda_init(device_.index);
+        if (!backend_) throw std::runtime_error("cannot initialise the ggml CUDA backend on " + device_.name());
+        set_n_threads(threads);
+        size_t need = 0;
+        for (int64_t i = 0; i < n_tensors; ++i) need += ggml_nbytes(nth(i));
+        buf_ = ggml_backend_alloc_ctx_tensors(meta_, backend_);
+        if (!buf_) {
+            const auto mem = device_memory();
+            throw std::runtime_error(path_ + ": cannot allocate " + mib(need) + " of weights on " + device_.name() + " (" +
+                                     mib(mem.first) + " free of " + mib(mem.second) + ")");
+        }
+        ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ::madvise(map_, map_bytes_, MADV_SEQUENTIAL);
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            ggml_backend_tensor_set(nth(i), file_bytes(i), 0, ggml_nbytes(nth(i)));  // synchronous (ggml-cuda syncs its copy stream)
+            weight_bytes_ += ggml_nbytes(nth(i));
+        }
+        ::munmap(map_, map_bytes_);
+        map_ = nullptr;
+        map_bytes_ = 0;
+        return;
+#endif
+    }
+    backend_ = ggml_backend_cpu_init();
+    if (!backend_) throw std::runtime_error("cannot initialise the ggml CPU backend");
+    set_n_threads(threads);
+    buf_ = ggml_backend_cpu_buffer_from_ptr(map_, map_bytes_);
+    ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        if (ggml_backend_tensor_alloc(buf_, nth(i), file_bytes(i)) != GGML_STATUS_SUCCESS)
+            throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(nth(i)));
+        weight_bytes_ += ggml_nbytes(nth(i));
+    }
+    ::madvise(map_, map_bytes_, MADV_WILLNEED);
+}
+
+Model::~Model() {
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (backend_) ggml_backend_free(backend_);
+    if (meta_) ggml_free(meta_);
+    if (gguf_) gguf_free(gguf_);
+    if (map_) ::munmap(map_, map_bytes_);
+}
+
+void Model::set_n_threads(int32_t n) {
+    if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
+    n_threads_ = n;
+    if (backend_ && ggml_backend_is_cpu(backend_)) ggml_backend_cpu_set_n_threads(backend_, n);
+}
+
+std::pair<size_t, size_t> Model::device_memory() const {
+    size_t free = 0, total = 0;
+    ggml_backend_dev_t d = backend_ ? ggml_backend_get_device(backend_) : nullptr;
+    if (d) ggml_backend_dev_memory(d, &free, &total);
+    return {free, total};
+}
+
+std::vector<int32_t> Model::global_layers() const {
+    std::vector<int32_t> out;
+    for (int32_t il = 0; il < hp_.n_layer; ++il)
+        if (!hp_.is_swa[il]) out.push_back(il);
+    return out;
+}
+
+}  // namespace kvflash

@@ -1,0 +1,407 @@
+#include "kvflash/runtime.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "ggml-cpu.h"
+#include "kvflash/arch.h"
+#include "kvflash/attn_cpu.h"
+#include "kvflash/limits.h"
+
+namespace kvflash {
+
+using clk = std::chrono::steady_clock;
+static double ms_since(clk::time_point t) { return std::chrono::duration<double, std::milli>(clk::now() - t).count(); }
+
+struct Runtime::Graph {
+    int32_t n = 0, n_kv = 0;
+    bool all_logits = false;
+    ggml_context *ctx = nullptr;
+    ggml_cgraph *gf = nullptr;
+    ggml_gallocr_t alloc = nullptr;
+    ggml_tensor *tokens = nullptr, *pos = nullptr, *slots = nullptr, *mask = nullptr;
+    ggml_tensor *swa_slots = nullptr, *swa_mask = nullptr, *logits = nullptr;
+    std::vector<ggml_tensor *> q_out;  // per paged layer: [D, H, n_capture]
+    int32_t n_capture = 0;
+    PoolAttnParams attn, attn_swa;   // stable addresses for the custom attention ops
+    std::vector<uint8_t> meta;
+    ~Graph() {
+        if (alloc) ggml_gallocr_free(alloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::move(model)), cfg_(std::move(cfg)) {
+    const Hparams &hp = model_->hparams();
+    check_max_ctx(cfg_.max_ctx);
+    if (cfg_.ubatch <= 0) throw std::invalid_argument("ubatch must be > 0");
+    const ggml_type kvt = kv_type_from_name(cfg_.kv_type);
+    if (cfg_.attn != "auto" && cfg_.attn != "ggml" && cfg_.attn != "pool")
+        throw std::invalid_argument("attn must be 'auto', 'ggml' or 'pool', got '" + cfg_.attn + "'");
+    if (cfg_.attn == "pool" && !ggml_backend_is_cpu(model_->backend()))
+        throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel; the model is on " +
+                                    model_->device().name() + ": use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
+    if (kvt == GGML_TYPE_F32) throw std::invalid_argument("kv_type f32 is not supported by the attention kernels; use f16, q8_0 or q4_0");
+    if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
+        throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
+                                    std::to_string(ggml_blck_size(kvt)));
+    if (cfg_.eval_layers < 0 || cfg_.eval_layers > hp.n_layer)
+        throw std::invalid_argument("eval_layers must be in [0, " + std::to_string(hp.n_layer) +
+                                    "] (0: all layers), got " + std::to_string(cfg_.eval_layers));
+    n_eval_layers_ = cfg_.eval_layers > 0 ? cfg_.eval_layers : hp.n_layer;
+    full_cache_ = cfg_.pool_tokens <= 0;
+    PagerConfig pc;
+    pc.chunk_tokens = cfg_.chunk_tokens;
+    pc.sink_chunks = cfg_.sink_chunks;
+    pc.tail_window_chunks = cfg_.tail_window_chunks;
+    pc.max_ctx = cfg_.max_ctx;
+    // The baseline: every position has its own slot, nothing is ever evicted.
+    pc.pool_tokens = full_cache_ ? int32_t(std::max<int64_t>((cfg_.max_ctx + 255) / 256 * 256, pc.min_pool_tokens()))
+                                 : cfg_.pool_tokens;
+    std::vector<PoolLayerSpec> specs;
+    paged_index_.assign(hp.n_layer, -1);
+    for (int32_t il : model_->global_layers()) {
+        if (il >= n_eval_layers_) break;
+        paged_index_[il] = int32_t(specs.size());
+        specs.push_back({il, hp.n_embd_k(), hp.n_embd_v()});
+    }
+    const HostStore::Backing backing = parse_host_backing(cfg_.host, cfg_.host_path);
+    // On CUDA the pool is in device memory: PagedCache installs the async copy engine
+    // (cuda::make_pool_mover, ordered against ggml's compute stream by events) and a pinned host slab.
+    cache_ = std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path);
+    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size());
+    if (n_swa_layers > 0) init_swa_ring(n_swa_layers, kvt);
+}
+
+// Sliding-window layers keep a ring of their window (plus one piece of new keys),
+// on the model's backend like the pool.
+void Runtime::init_swa_ring(int32_t n_swa_layers, ggml_type kvt) {
+    const Hparams &hp = model_->hparams();
+    // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
+    // before the piece's first query plus the piece itself.
+    const int64_t piece = std::max({cfg_.ubatch, cfg_.chunk_tokens, cfg_.prefill_piece});
+    swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
+                                            (cfg_.max_ctx + 255) / 256 * 256));
+    swa_tokens_ = std::max(swa_tokens_, 256);
+    ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
+    swa_ctx_ = ggml_init(ip);
+    for (int32_t il = 0; il < n_eval_layers_; ++il) {
+        if (paged_index_[il] >= 0) continue;
+        paged_index_[il] = -2 - int32_t(swa_k_.size());  // -2 - ring index
+        swa_k_.push_back(ggml_new_tensor_2d(swa_ctx_, kvt, hp.n_embd_k(), swa_tokens_));
+        swa_v_.push_back(ggml_new_tensor_2d(swa_ctx_, kvt, hp.n_embd_v(), swa_tokens_));
+    }
+    swa_buf_ = ggml_backend_alloc_ctx_tensors(swa_ctx_, model_->backend());
+    if (!swa_buf_) throw std::runtime_error("cannot allocate the sliding-window cache");
+    ggml_backend_buffer_clear(swa_buf_, 0);
+    swa_pos_.assign(swa_tokens_, -1);
+}
+
+Runtime::~Runtime() {
+    decode_graph_.reset();
+    batch_graph_.reset();
+    cache_.reset();
+    if (swa_buf_) ggml_backend_buffer_free(swa_buf_);
+    if (swa_ctx_) ggml_free(swa_ctx_);
+}
+
+size_t Runtime::swa_bytes() const { return swa_buf_ ? ggml_backend_buffer_get_size(swa_buf_) : 0; }
+
+// The forward graph for n tokens: the model's family builds embed and layers over
+// the caches set up here, the shared head ends it.  Inputs: tokens [n] i32, pos [n]
+// i32, slots [n] i64 (pool rows), mask [n_kv, n] f16; for sliding layers swa_slots/swa_mask.
+void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
+    const Hparams &hp = model_->hparams();
+    g.n = n;
+    g.n_kv = n_kv_pool;
+    g.all_logits = all_logits;
+    g.n_capture = std::min(n, std::max(0, cfg_.capture_queries));
+    const size_t max_nodes = 64 * size_t(hp.n_layer) + 256;
+    g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
+    ggml_init_params ip{g.meta.size(), g.meta.data(), true};
+    g.ctx = ggml_init(ip);
+    ggml_context *ctx = g.ctx;
+    g.gf = ggml_new_graph_custom(ctx, max_nodes, false);
+
+    g.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
+    g.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv_pool, n);  // attend over the occupied prefix of the pool
+    for (ggml_tensor *t : {g.tokens, g.pos, g.slots, g.mask}) ggml_set_input(t);
+    if (swa_tokens_ > 0) {
+        g.swa_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
+        g.swa_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, swa_tokens_, n);
+        ggml_set_input(g.swa_slots);
+        ggml_set_input(g.swa_mask);
+    }
+    auto n_split = [&](int64_t n_kv) {
+        const int64_t want = std::max<int64_t>(n_kv / 256, (2 * model_->n_threads() + hp.n_head_kv - 1) / hp.n_head_kv);
+        return int32_t(std::max<int64_t>(1, std::min<int64_t>({want, 32, n_kv / 64})));
+    };
+    g.attn = {hp.n_head_kv, n_split(n_kv_pool), 1.0f};   // the scale is the family's, set by Forward::attention
+    g.attn_swa = {hp.n_head_kv, n_split(swa_tokens_), 1.0f};
+
+    Forward f;
+    f.ctx = ctx;
+    f.gf = g.gf;
+    f.model = model_.get();
+    f.hp = &hp;
+    f.n = n;
+    f.tokens = g.tokens;
+    f.pos = g.pos;
+    f.pool_attn = use_pool_attn(n);
+    f.n_capture = g.n_capture;
+    for (int32_t il = 0; il < n_eval_layers_; ++il) {
+        const int32_t pi = paged_index_[il];
+        if (pi >= 0) f.caches.push_back({cache_->pool->k(pi), cache_->pool->v(pi), g.slots, g.mask, n_kv_pool, &g.attn, true});
+        else f.caches.push_back({swa_k_[-2 - pi], swa_v_[-2 - pi], g.swa_slots, g.swa_mask, swa_tokens_, &g.attn_swa, false});
+    }
+    const ArchOps &arch = model_->arch();
+    ggml_tensor *x = arch.embed(f);
+    for (int32_t il = 0; il < n_eval_layers_; ++il) x = arch.layer(f, il, x);
+    g.q_out = f.q_out;
+    if (n_eval_layers_ < hp.n_layer) {
+        // A scoring runtime (a drafter cut to its first layers): the graph ends with the
+        // last layer's K/V writes and captured queries; its attention output, FFN and the
+        // head are never computed, and there are no logits.
+        g.logits = nullptr;
+        // With one layer nothing reads the masks; keep them in the graph so they are allocated.
+        ggml_build_forward_expand(g.gf, g.mask);
+        if (g.swa_mask) ggml_build_forward_expand(g.gf, g.swa_mask);
+        finish_graph(g);
+        return;
+    }
+    g.logits = f.head(x, all_logits);
+    ggml_set_output(g.logits);
+    ggml_build_forward_expand(g.gf, g.logits);
+    finish_graph(g);
+}
+
+void Runtime::finish_graph(Graph &g) {
+    if (!ggml_backend_is_cpu(model_->backend())) {
+        // Without a scheduler every node runs on the model's backend: refuse a graph
+        // it cannot run here, with the op named, instead of an abort inside ggml.
+        for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
+            ggml_tensor *t = ggml_graph_node(g.gf, i);
+            if (ggml_backend_supports_op(model_->backend(), t)) continue;
+            std::string srcs;
+            for (int j = 0; j < GGML_MAX_SRC && t->src[j]; ++j) srcs += std::string(j ? ", " : "") + ggml_type_name(t->src[j]->type);
+            throw std::runtime_error(std::string("the ") + ggml_backend_name(model_->backend()) + " backend cannot run " +
+                                     ggml_op_desc(t) + " (node '" + ggml_get_name(t) + "', inputs " + srcs + ") for kv_type " +
+                                     cfg_.kv_type + "; try another kv_type or device='cpu'");
+        }
+    }
+    g.alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model_->backend()));
+    if (!ggml_gallocr_alloc_graph(g.alloc, g.gf)) throw std::runtime_error("cannot allocate the compute graph");
+}
+
+bool Runtime::use_pool_attn(int32_t n) const {
+    if (!ggml_backend_is_cpu(model_->backend())) return false;
+    if (cfg_.attn == "ggml") return false;
+    if (cfg_.attn == "pool") return true;
+    return n <= cfg_.pool_attn_max_tokens;
+}
+
+Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits) {
+    std::unique_ptr<Graph> &slot = n == 1 ? decode_graph_ : batch_graph_;
+    if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits) return slot.get();
+    auto t0 = clk::now();
+    slot.reset();  // its allocator's buffer goes before the new one is made
+    auto g = std::make_unique<Graph>();
+    build(*g, n, n_kv, all_logits);  // may throw: the slot is only filled with a complete graph
+    slot = std::move(g);
+    stats_.t_graph_ms += ms_since(t0);
+    return slot.get();
+}
+
+void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out) {
+    const Hparams &hp = model_->hparams();
+    if (n <= 0) throw std::invalid_argument("eval: need at least one token");
+    if (n_past_ + n > cfg_.max_ctx)
+        throw std::out_of_range("eval: " + std::to_string(n_past_ + n) + " tokens exceed max_ctx " +
+                                std::to_string(cfg_.max_ctx) + "; raise max_ctx or shorten the prompt");
+    for (int32_t i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= hp.n_vocab)
+            throw std::invalid_argument("eval: token id " + std::to_string(tokens[i]) + " outside [0, " +
+                                        std::to_string(hp.n_vocab) + ")");
+    const int32_t C = cfg_.chunk_tokens, P = cache_->pool->pool_tokens();
+    int32_t done = 0;
+    while (done < n) {
+        // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
+        int32_t m = std::min(n - done, cfg_.ubatch);
+        if (n_past_ + m > P) {
+            const int32_t piece = std::min(cfg_.prefill_piece > 0 ? cfg_.prefill_piece : C, cfg_.ubatch);
+            m = std::min<int32_t>(n - done, std::max<int32_t>(1, piece - int32_t(n_past_ % C)));
+        }
+        const bool last = done + m == n;
+        float *out = logits_out;
+        if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;
+        eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr);
+        done += m;
+    }
+}
+
+void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out) {
+    const int64_t pos0 = n_past_;
+    const int32_t P = cache_->pool->pool_tokens();
+    std::vector<int32_t> slots(n);
+    if (cache_->pager->alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
+        throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
+    // Attention covers the occupied prefix of the pool, in steps of 256 slots.
+    const int32_t n_kv = std::min(P, std::max(256, (cache_->pager->used_extent() + 255) / 256 * 256));
+    Graph *g = get_graph(n, n_kv, all_logits && n > 1);
+    auto t0 = clk::now();
+    ggml_backend_tensor_set(g->tokens, tokens, 0, sizeof(int32_t) * n);
+    set_masks(*g, pos0, n, slots.data(), n_kv);
+    stats_.t_mask_ms += ms_since(t0);
+    t0 = clk::now();
+    if (ggml_backend_graph_compute(model_->backend(), g->gf) != GGML_STATUS_SUCCESS)
+        throw std::runtime_error("eval: graph compute failed");
+    stats_.t_compute_ms += ms_since(t0);
+    sync_for_host_read();
+    n_past_ = pos0 + n;
+    stats_.n_eval_calls++;
+    stats_.n_tokens_evaluated += n;
+    if (logits_out && g->logits) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
+    else if (logits_out) std::fill(logits_out, logits_out + size_t(all_logits && n > 1 ? n : 1) * model_->hparams().n_vocab, 0.f);
+    if (g->n_capture > 0) keep_captured(*g);
+    if (observer_) observer_->evaluated(*this, pos0, n);
+}
+
+// Positions, slots and masks of a piece at [pos0, pos0 + n).
+void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots32, int32_t n_kv) {
+    const Pager &pg = *cache_->pager;
+    const int32_t P = cache_->pool->pool_tokens();
+    std::vector<int32_t> pos(n);
+    std::vector<int64_t> pos64(n), slots(n);
+    for (int32_t i = 0; i < n; ++i) {
+        pos[i] = int32_t(pos0 + i);
+        pos64[i] = pos0 + i;
+        slots[i] = slots32[i];
+    }
+    ggml_backend_tensor_set(g.pos, pos.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(g.slots, slots.data(), 0, sizeof(int64_t) * n);
+    if (n == 1) {
+        // Decode: rebuild the mask only when residency changed; else unmask the new slot.
+        if (decode_mask_epoch_ != pg.epoch() || int32_t(decode_mask_.size()) != P) {
+            decode_mask_.resize(P);
+            pg.fill_mask(pos64.data(), 1, decode_mask_.data(), P);
+            decode_mask_epoch_ = pg.epoch();
+        } else {
+            decode_mask_[slots[0]] = 0;
+        }
+        ggml_backend_tensor_set(g.mask, decode_mask_.data(), 0, sizeof(uint16_t) * n_kv);
+    } else {
+        std::vector<uint16_t> mask(size_t(n_kv) * n);
+        pg.fill_mask(pos64.data(), n, mask.data(), n_kv);
+        ggml_backend_tensor_set(g.mask, mask.data(), 0, sizeof(uint16_t) * size_t(n_kv) * n);
+        decode_mask_epoch_ = -1;
+    }
+    if (swa_tokens_ == 0) return;
+    const int32_t R = swa_tokens_, W = model_->hparams().n_swa;
+    std::vector<int64_t> rs(n);
+    for (int32_t i = 0; i < n; ++i) {
+        rs[i] = (pos0 + i) % R;
+        swa_pos_[rs[i]] = pos0 + i;
+    }
+    std::vector<uint16_t> mask(size_t(R) * n);
+    for (int32_t i = 0; i < n; ++i) {
+        const int64_t qp = pos0 + i;
+        for (int32_t s = 0; s < R; ++s) {
+            const int64_t p = swa_pos_[s];
+            mask[size_t(i) * R + s] = (p >= 0 && p <= qp && qp - p < W) ? 0x0000 : 0xFC00;
+        }
+    }
+    ggml_backend_tensor_set(g.swa_slots, rs.data(), 0, sizeof(int64_t) * n);
+    ggml_backend_tensor_set(g.swa_mask, mask.data(), 0, sizeof(uint16_t) * mask.size());
+}
+
+// The capture is a window over the last capture_queries positions across evals (a
+// decode step adds one query; the window still holds the ones before it).  The
+// previous window ends at the piece's first position: truncate trims it with the cache.
+void Runtime::keep_captured(const Graph &g) {
+    const Hparams &hp = model_->hparams();
+    const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = g.q_out.size();
+    const int32_t nc = g.n_capture, keep = std::min(n_captured_, std::max(0, cfg_.capture_queries - nc));
+    std::vector<float> next(size_t(keep + nc) * qsz * nl);
+    for (size_t l = 0; l < nl; ++l) {
+        float *dst = next.data() + l * size_t(keep + nc) * qsz;
+        if (keep > 0)
+            std::memcpy(dst, captured_q_.data() + (l * size_t(n_captured_) + (n_captured_ - keep)) * qsz,
+                        size_t(keep) * qsz * sizeof(float));
+        ggml_backend_tensor_get(g.q_out[l], dst + size_t(keep) * qsz, 0, size_t(nc) * qsz * sizeof(float));
+    }
+    captured_q_.swap(next);
+    n_captured_ = keep + nc;
+}
+
+void Runtime::truncate(int64_t n_past) {
+    if (n_past < 0 || n_past > n_past_)
+        throw std::out_of_range("truncate: n_past must be in [0, " + std::to_string(n_past_) + "]");
+    if (swa_tokens_ > 0 && n_past_ - n_past > int64_t(swa_tokens_) - model_->hparams().n_swa)
+        throw std::invalid_argument("truncate: the sliding-window ring no longer holds the window before position " +
+                                    std::to_string(n_past) + "; reset and evaluate the prefix again");
+    cache_->pager->truncate(n_past);
+    if (observer_) observer_->truncated(*this, n_past);
+    // Captured queries at positions >= n_past go with the cache; the window keeps its start.
+    if (n_captured_ > 0) {
+        const int64_t first = n_past_ - n_captured_;
+        const int32_t keep = int32_t(std::max<int64_t>(0, n_past - first));
+        if (keep < n_captured_) {
+            const Hparams &hp = model_->hparams();
+            const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = captured_q_.size() / (size_t(n_captured_) * qsz);
+            std::vector<float> next(size_t(keep) * qsz * nl);
+            for (size_t l = 0; l < nl && keep > 0; ++l)
+                std::memcpy(next.data() + l * size_t(keep) * qsz, captured_q_.data() + l * size_t(n_captured_) * qsz,
+                            size_t(keep) * qsz * sizeof(float));
+            captured_q_.swap(next);
+            n_captured_ = keep;
+        }
+    }
+    for (auto &p : swa_pos_)
+        if (p >= n_past) p = -1;
+    n_past_ = n_past;
+    decode_mask_epoch_ = -1;
+}
+
+void Runtime::reset() {
+    cache_->pager->reset();
+    if (observer_) observer_->truncated(*this, 0);
+    n_captured_ = 0;
+    std::fill(swa_pos_.begin(), swa_pos_.end(), -1);
+    n_past_ = 0;
+    decode_mask_epoch_ = -1;
+}
+
+void Runtime::sync_for_host_read() const {
+    cache_->pool->fence();                       // queued page-outs/ins done (copy stream)
+    ggml_backend_synchronize(model_->backend()); // queued kernels done (compute stream)
+}
+
+void Runtime::chunk_keys(int32_t c, int32_t il, float *out) const {
+    sync_for_host_read();
+    chunk_keys_synced(c, il, out);
+}
+
+void Runtime::chunk_keys_synced(int32_t c, int32_t il, float *out) const {
+    const Pager &pg = *cache_->pager;
+    const int32_t C = cfg_.chunk_tokens, b = pg.block_of(c);
+    if (b < 0) throw std::invalid_argument("chunk_keys: chunk " + std::to_string(c) + " is not resident");
+    if (il < 0 || il >= cache_->pool->n_layers()) throw std::out_of_range("chunk_keys: bad paged layer");
+    ggml_tensor *k = cache_->pool->k(il);
+    const int64_t E = k->ne[0];
+    std::vector<uint8_t> raw(size_t(C) * k->nb[1]);
+    ggml_backend_tensor_get(k, raw.data(), size_t(b) * C * k->nb[1], raw.size());
+    const auto *tr = ggml_get_type_traits(k->type);
+    for (int32_t i = 0; i < C; ++i) {
+        float *row = out + size_t(i) * E;
+        if (pg.slot_of(int64_t(c) * C + i) < 0) { std::fill(row, row + E, 0.f); continue; }
+        if (k->type == GGML_TYPE_F32) std::memcpy(row, raw.data() + size_t(i) * k->nb[1], E * sizeof(float));
+        else tr->to_float(raw.data() + size_t(i) * k->nb[1], row, E);
+    }
+}
+
+}  // namespace kvflash

@@ -1,0 +1,144 @@
+// Runtime: one session's decoding state over a Model, with the KV cache paged.
+//
+// Per session: the paged pool for globally attending layers, a ring of the window
+// for sliding-window layers (gemma3), the compute graphs, the mask inputs and the
+// captured queries.  Two cache modes over the same code: full cache (pool = max
+// context, identity placement) and kvflash (pool < context).  The runtime holds no
+// policy: scoring (scoring.h) reads what it exposes and, through a CacheObserver,
+// hears about every write, truncation and reset.
+//
+// Shapes follow ggml order (innermost first).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "kvflash/model.h"
+#include "kvflash/pool.h"
+
+namespace kvflash {
+
+struct RuntimeConfig {
+    int64_t max_ctx = 4096;
+    int32_t pool_tokens = 0;          // 0: full cache (pool = max_ctx rounded up)
+    std::string kv_type = "q8_0";
+    int32_t chunk_tokens = 64, sink_chunks = 1, tail_window_chunks = 4;
+    int32_t ubatch = 512;             // prefill ubatch while the prompt fits the pool
+    // > 0: a scoring runtime that evaluates only the first eval_layers layers (a drafter
+    // cut short: K/V and captured queries of those layers, no logits -- eval returns zeros).
+    int32_t eval_layers = 0;
+    int32_t prefill_piece = 0;        // piece once eviction starts (0: chunk_tokens), chunk-aligned
+    std::string host = "ram";         // "ram" | "file" (parse_host_backing)
+    std::string host_path;
+    // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),
+    // "ggml" (ggml_flash_attn_ext), or "auto" (pool for pieces of up to
+    // pool_attn_max_tokens queries, ggml above).  Other backends (CUDA) always use
+    // ggml_flash_attn_ext with the pager's F16 mask: "auto" and "ggml" mean that
+    // there, "pool" is refused (std::invalid_argument).
+    std::string attn = "auto";
+    int32_t pool_attn_max_tokens = 1 << 30;
+    // Post-RoPE queries of the last capture_queries tokens of each eval are kept
+    // (per paged layer) for relevance scoring; 0 disables.
+    int32_t capture_queries = 1;
+};
+
+struct RuntimeStats {
+    int64_t n_eval_calls = 0, n_tokens_evaluated = 0;
+    double t_graph_ms = 0, t_compute_ms = 0, t_mask_ms = 0;
+};
+
+class Runtime;
+
+// State derived from the cache's contents (scoring keeps some) follows it through these calls.
+struct CacheObserver {
+    virtual ~CacheObserver() = default;
+    // Positions [pos0, pos0 + n) were just written (and are resident).
+    virtual void evaluated(const Runtime &rt, int64_t pos0, int32_t n) = 0;
+    // Positions >= n_past are gone (0: a reset).
+    virtual void truncated(const Runtime &rt, int64_t n_past) = 0;
+};
+
+class Runtime {
+public:
+    Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg);
+    ~Runtime();
+
+    // Evaluate tokens at positions [n_past, n_past + n) and append them to the
+    // cache.  logits_out: n_vocab floats (last token) or n * n_vocab (all_logits).
+    // Throws invalid_argument for bad tokens, out_of_range past max_ctx.
+    void eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    int64_t n_past() const { return n_past_; }
+    // Precondition: 0 <= n_past <= n_past() (std::out_of_range otherwise), and the
+    // sliding-window ring still holds the window before n_past (std::invalid_argument).
+    void truncate(int64_t n_past);
+    void reset();
+    // The one observer (nullptr: none); it lives as long as the runtime holds it.
+    void set_observer(std::shared_ptr<CacheObserver> obs) { observer_ = std::move(obs); }
+
+    const Model &model() const { return *model_; }
+    const RuntimeConfig &config() const { return cfg_; }
+    bool full_cache() const { return full_cache_; }
+    Pager &pager() { return *cache_->pager; }
+    const Pager &pager() const { return *cache_->pager; }
+    KVPool &pool() { return *cache_->pool; }
+    const KVPool &pool() const { return *cache_->pool; }
+    size_t swa_bytes() const;         // sliding-window ring bytes (not paged)
+    const RuntimeStats &stats() const { return stats_; }
+
+    // Post-RoPE keys of chunk c for paged layer index il, dequantized to f32:
+    // out [chunk_tokens][n_embd_k]; rows of unwritten positions are zero.
+    // Precondition: chunk resident (std::invalid_argument), il a paged layer (std::out_of_range).
+    // Orders itself after queued compute and copies (sync_for_host_read).
+    void chunk_keys(int32_t c, int32_t il, float *out) const;
+    // The same without the sync, for a caller that has just called sync_for_host_read.
+    void chunk_keys_synced(int32_t c, int32_t il, float *out) const;
+    // Before the host reads pool rows or graph outputs: wait for every queued page
+    // copy (the pool's fence: the copy stream on CUDA) and every queued kernel
+    // (ggml_backend_synchronize), since ggml-cuda's tensor_get runs on its own
+    // stream (copy_engine.h, rule (4)).  No-ops on the CPU backend.
+    void sync_for_host_read() const;
+
+    // Captured queries of the last eval: [n_paged][n_captured][n_head][head_dim], post-RoPE,
+    // for positions n_past - n_captured .. n_past - 1.
+    int32_t n_captured() const { return n_captured_; }
+    const std::vector<float> &captured_queries() const { return captured_q_; }
+
+private:
+    struct Graph;
+    Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
+    bool use_pool_attn(int32_t n) const;
+    void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
+    void finish_graph(Graph &g);   // backend op check + allocation
+    void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    void set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots, int32_t n_kv);
+    void keep_captured(const Graph &g);
+    void init_swa_ring(int32_t n_swa_layers, ggml_type kvt);
+
+    std::shared_ptr<Model> model_;
+    RuntimeConfig cfg_;
+    bool full_cache_ = false;
+    int32_t n_eval_layers_ = 0;           // layers evaluated (all, or eval_layers)
+    std::unique_ptr<PagedCache> cache_;
+    std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
+    // sliding-window ring (gemma3): [n_embd_k, swa_tokens] per sliding layer
+    int32_t swa_tokens_ = 0;
+    ggml_context *swa_ctx_ = nullptr;
+    ggml_backend_buffer_t swa_buf_ = nullptr;
+    std::vector<ggml_tensor *> swa_k_, swa_v_;
+    std::vector<int64_t> swa_pos_;
+    std::unique_ptr<Graph> decode_graph_, batch_graph_;
+    std::vector<uint16_t> decode_mask_;
+    int64_t decode_mask_epoch_ = -1;
+    int64_t n_past_ = 0;
+    RuntimeStats stats_;
+    std::vector<float> captured_q_;
+    int32_t n_captured_ = 0;
+    std::shared_ptr<CacheObserver> observer_;
+};
+
+}  // namespace kvflash

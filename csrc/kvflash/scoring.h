@@ -1,0 +1,92 @@
+// Relevance scoring over a Runtime's cache: the kernels policies call, kept out of
+// the runtime so it stays policy-free.  Each reads the runtime's captured queries
+// and its pool (and, for the history, the host store); none changes residency.
+// Precondition for all: at least one query captured (std::invalid_argument otherwise).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvflash/runtime.h"
+
+namespace kvflash {
+
+enum class QKMode { MEAN = 0, BOUND = 1 };
+
+// Per-chunk key summaries -- min, max and the L2-normalised mean of the post-RoPE
+// keys, per paged layer -- computed when a chunk seals while still resident.
+// Install on a runtime with set_observer; the qk-bound / qk-mean policies score them.
+class ChunkSummaries final : public CacheObserver {
+public:
+    void evaluated(const Runtime &rt, int64_t pos0, int32_t n) override;
+    void truncated(const Runtime &rt, int64_t n_past) override;
+    // Scores chunks [0, n) against the last captured query: per paged layer the max
+    // over query heads of q . summary (MEAN: the chunk's normalised mean key; BOUND:
+    // sum_d max(q_d min_d, q_d max_d), an upper bound of q . k over the chunk), then
+    // the mean over layers.  Chunks without a summary (not sealed yet) score +inf.
+    // n in [0, n_chunks] (std::out_of_range otherwise).
+    void qk_scores(const Runtime &rt, QKMode mode, float *out, int32_t n) const;
+
+private:
+    // [n_chunks][n_paged][n_embd_k] each
+    std::vector<float> min_, max_, mean_;
+    std::vector<uint8_t> ready_;
+};
+
+// Attention paid to each position by the captured queries, over the resident pool:
+// per layer and head a softmax over the visible slots, averaged over the queries;
+// max over heads and layers.  out[p] for p < n (0 for positions not visible/resident).
+void attention_scores(const Runtime &rt, float *out, int64_t n);
+
+// The same over the whole history, paged-out chunks included: K rows are read from
+// the pool for resident chunks and from the host store for the rest (the host copy
+// is bit-exact), so the scores are what a full cache would give for these queries.
+// One pass over every key per call; layers split over n_threads.
+// per_chunk: out[c] for n chunks instead -- per layer and head the attention mass the
+// chunk receives (summed over its positions), then the max over heads and layers.
+// groups (length n_past, values < n or negative): the same with out[g] for group g.
+// q_first, q_count: use only those captured queries (capture order; q_count < 0: all
+// from q_first), e.g. the earliest of them as a baseline for the latest.  n_layers > 0:
+// only the first n_layers paged layers (early layers carry the retrieval signal; the
+// max over every layer lets later layers' spikes drown it); 0: all.
+void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threads, bool per_chunk = false,
+                       const int32_t *groups = nullptr, int32_t q_first = 0, int32_t q_count = -1,
+                       int32_t n_layers = 0);
+
+// ---- chunk scores from token scores: one implementation for the C API and the Python
+// policies (qk and the drafter), so both paths rank chunks the same way.
+
+// Token scores to chunk scores.  x: [n] token scores; chunk_of: [n] the chunk of each token, in
+// [0, n_chunks), or negative for a token of no chunk (it still spreads to its neighbours).  Each token first takes the max of itself and the `spread` tokens on
+// either side (in token order, across chunk edges: a fact spans the words after the one attended
+// to), then a chunk takes its peak token.  Chunks no token maps to score one below the lowest
+// scored chunk, so they rank last without a sentinel that breaks a sort.  out: [n_chunks].
+void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
+                 float *out);
+
+// The qk policy's default scoring ("peak"), with the target's own captured queries.
+struct PeakScoring {
+    int32_t n_queries = 8;   // the latest captured queries score the history
+    int32_t contrast = 32;   // minus what the n_queries ending `contrast` tokens earlier pay (0: off)
+    int32_t spread = 4;      // chunk_peaks' spread
+    int32_t n_layers = 0;    // the first n_layers paged layers only (0: all)
+};
+
+// The qk policy's default layer count: a quarter of the paged layers but at least 8 (all when
+// there are fewer).  Early layers carry the retrieval signal; max over every layer lets later
+// layers' spikes drown it (SmolLM2, tuning splits: bench/results README).
+inline int32_t qk_auto_layers(int32_t n_paged) {
+    const int32_t q = (n_paged + 3) / 4;
+    return n_paged < 8 ? n_paged : (q > 8 ? q : 8);
+}
+
+// Minimum captured queries PeakScoring needs for its contrast to apply.
+inline int32_t peak_capture(const PeakScoring &p) { return p.n_queries + p.contrast; }
+
+// out: [n_chunks] chunk scores of the runtime's history (positions [0, n_past)): per token the
+// attention the last n_queries captured queries pay it (history_attention: paged-out keys
+// included), minus the baseline's when contrast > 0 and enough queries are captured, then
+// chunk_peaks with chunk = position / chunk_tokens.  Throws std::invalid_argument on bad params.
+void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads);
+
+}  // namespace kvflash
