@@ -175,7 +175,8 @@ def test_drafter_feeds_only_new_tokens_and_resets(tiny):
 
 def test_drafter_fallback_and_explicit_failure(tiny, tmp_path):
     s = kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="drafter", threads=1, verbose=False)
-    assert s.policy.name == "lru" and "falling back to LRU" in s.banner
+    assert isinstance(s.policy, QKPolicy) and "falling back to qk" in s.banner and "policy=qk" in s.banner
+    assert s.stats["policy"] == "qk (fallback)"
     with pytest.raises((ValueError, FileNotFoundError)):
         kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="drafter", drafter=str(tmp_path / "nope.gguf"),
                         verbose=False)

@@ -185,9 +185,9 @@ class Session:
                     path = resolve_model(drafter)
                 else:
                     path = find_drafter(self.model_path)
-                if path is None:
-                    self._policy_note = " (no drafter found next to the model: falling back to LRU)"
-                    return LRUPolicy()
+                if path is None:   # the reference falls back to LRU, which keeps no needle past its window
+                    self._policy_note = " (no drafter found next to the model: falling back to qk)"
+                    return scoring.QKPolicy()
                 return scoring.DrafterPolicy(path, threads=self.threads)
             raise ValueError(f"unknown policy {policy!r}: use 'drafter', 'lru', 'qk' ('qk-bound', 'qk-mean') or an object with "
                              f"score(view)")
