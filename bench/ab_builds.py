@@ -1,0 +1,118 @@
+"""Decode tok/s of two or more kvflash installs (builds), interleaved in one run, with an A/A control.
+
+    python bench/ab_builds.py --build before=/path/venv-old/bin/python --build after=.venv/bin/python \
+        --build after-again=.venv/bin/python --contexts 2048,8192 --pool 2048 --rounds 7 --steps 32
+
+Each --build NAME=PYTHON starts one worker process with that interpreter (so each imports its own
+kvflash).  A worker prefills one session per context (same model, pool, policy, natural-text tokens)
+and then waits; the driver asks one worker at a time to decode --steps greedy tokens through
+generate() and report the seconds, so no two workers compute at once (ggml's threads would thrash).
+The order of the builds rotates every round.  Naming the same interpreter twice is the A/A control:
+a difference between two builds counts only outside the spread of the control's per-round ratio.
+Prints a table per context (median, min-max tok/s; per-round ratio to the first build) and writes
+--json with every round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+WORKER = r"""
+import sys, time, json
+import kvflash
+from kvflash.bench.common import text_tokens
+cfg = json.loads(sys.argv[1])
+out = sys.stdout
+sys.stdout = sys.stderr          # keep the protocol line-clean
+sess = {}
+for D in cfg["contexts"]:
+    s = kvflash.Session(cfg["model"], max_ctx=D + cfg["margin"], kvflash=cfg["pool"], policy=cfg["policy"],
+                        threads=cfg["threads"], allow_long_ctx=True, verbose=False)
+    toks = text_tokens(s, D)
+    for i in range(0, D, 512):
+        s.prefill(toks[i:i + 512])
+    sess[D] = s
+print(json.dumps({"ready": kvflash.__file__}), file=out, flush=True)
+for line in sys.stdin:
+    D, n = map(int, line.split())
+    s = sess[D]
+    t0 = time.perf_counter()
+    for _ in s.generate(None, max_tokens=n, temperature=0.0, ignore_eos=True):
+        pass
+    print(json.dumps({"s": time.perf_counter() - t0}), file=out, flush=True)
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", action="append", required=True, help="NAME=PYTHON (two or more; repeat one for A/A)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", default="2048")
+    ap.add_argument("--pool", type=int, default=2048)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    builds = []
+    for b in a.build:
+        name, sep, py = b.partition("=")
+        if not sep or not name or not py:
+            ap.error(f"--build takes NAME=PYTHON, got {b!r}")
+        builds.append((name, py))
+    if len(builds) < 2 or len({n for n, _ in builds}) != len(builds):
+        ap.error("give two or more --build entries with distinct names")
+    if a.rounds < 5:
+        ap.error("--rounds must be at least 5 (medians over >= 5 repeats)")
+    ctxs = [int(x) for x in a.contexts.split(",")]
+    cfg = {"model": a.model, "contexts": ctxs, "pool": a.pool, "policy": a.policy, "threads": a.threads,
+           "margin": a.rounds * a.steps + 64}
+    workers = {}
+    for name, py in builds:   # one prefills at a time: each waits for the previous to be ready
+        p = subprocess.Popen([py, "-c", WORKER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+        t0 = time.perf_counter()
+        ready = json.loads(p.stdout.readline())
+        print(f"[ab_builds] {name}: {ready['ready']} prefilled {ctxs} in {time.perf_counter() - t0:.0f}s",
+              file=sys.stderr)
+        workers[name] = p
+    rates = {(n, D): [] for n, _ in builds for D in ctxs}
+    names = [n for n, _ in builds]
+    for r in range(a.rounds):
+        k = r % len(names)
+        for D in ctxs:
+            for n in names[k:] + names[:k]:
+                w = workers[n]
+                w.stdin.write(f"{D} {a.steps}\n")
+                w.stdin.flush()
+                dt = json.loads(w.stdout.readline())["s"]
+                rates[(n, D)].append(a.steps / dt)
+        print(f"[ab_builds] round {r + 1}/{a.rounds} done", file=sys.stderr)
+    for w in workers.values():
+        w.stdin.close()
+        w.wait()
+    ref = names[0]
+    print(f"decode tok/s, {a.model}, pool {a.pool}, policy {a.policy}, {a.threads} threads, {a.steps} steps per "
+          f"round, {a.rounds} rounds interleaved (order rotated); ratio per round to {ref!r}\n")
+    print("| context | build | tok/s median | min-max | ratio to first (median) | per-round ratio min-max |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for D in ctxs:
+        for n in names:
+            x = rates[(n, D)]
+            rr = [u / v for u, v in zip(x, rates[(ref, D)])]
+            print(f"| {D} | {n} | {statistics.median(x):.2f} | {min(x):.2f}-{max(x):.2f} | "
+                  f"{statistics.median(rr):.3f} | {min(rr):.3f}-{max(rr):.3f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": {**cfg, "builds": dict(builds), "rounds": a.rounds, "steps": a.steps},
+                       "tok_s": {f"{n}@{D}": v for (n, D), v in rates.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
