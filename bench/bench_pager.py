@@ -213,6 +213,7 @@ def bench_reselect(repeats, geom, per_chunk_out_ns, per_chunk_in_ns, n_chunks=10
 # --------------------------------------------------------------------------- report
 
 def to_markdown(res):
+    # Long on purpose: one report, section after section, as it is printed.
     m, ch, rs, rt = res["machine"], res["chunk"], res["reselect"], res["reselect_tiny"]
     f = lambda s: f"{s['median_us']:.1f} | {s['min_us']:.1f} | {s['max_us']:.1f}"  # noqa: E731
     g = lambda s: f"{s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f}"  # noqa: E731

@@ -44,6 +44,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
     """Write whatever plots the results allow; returns the files written."""
+    # Long on purpose: one figure per result kind, drawn in sequence with the same axes setup.
     plt = _plt()
     folder.mkdir(parents=True, exist_ok=True)
     written = []

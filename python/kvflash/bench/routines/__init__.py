@@ -1,0 +1,18 @@
+"""The bench routines.  Each takes a BenchConfig and returns a report.Result.
+
+Every comparison is made inside one run, interleaved (full then kvflash, the order alternating per
+repeat), so drift of a shared machine hits both sides; spreads are printed, never hidden.
+"""
+from __future__ import annotations
+
+from ._shared import _passkey_chunk, rank_of  # noqa: F401 (bench/drafter_rank.py)
+from .ab import run_ab
+from .decode import run_decode
+from .memory import run_memory
+from .paging import run_paging
+from .prefill import run_prefill
+from .recall import run_needle
+from .rescore import run_rescore
+
+ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
+            "needle": run_needle, "ab": run_ab, "rescore": run_rescore}

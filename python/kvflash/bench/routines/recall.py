@@ -1,0 +1,121 @@
+"""Needle-in-a-haystack recall per policy and pool (the `needle` routine)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..common import (
+    BenchConfig,
+    Progress,
+    ctx_label,
+    summarize,
+)
+from ..needle import NeedleBuilder, score
+from ..report import Result
+from ._shared import (
+    BASE_COLS,
+    _answer,
+    _base,
+    _long_note,
+    _needle_modes,
+    _open_modes,
+    _passkey_chunk,
+    _split_note,
+    _trials_for,
+    rank_of,
+)
+
+
+def run_needle(cfg: BenchConfig) -> Result:
+    """Recall of a passkey at depths of a haystack: full cache, then each policy at each pool, on the same
+    prompts; greedy answer through the chat template, scored exact.  Per scored policy, the passkey
+    chunk's rank under the prompt's rescore is recorded (rank < free slots: the policy kept it)."""
+    # Long on purpose: trials x haystacks x modes over shared builders and sessions, then one row per cell with its
+    # ranks.
+    ctxs = sorted(set(cfg.contexts))
+    modes = _needle_modes(cfg)
+    hays = list(cfg.haystacks) if cfg.split == "reporting" else ["prose"]
+    res = Result("needle", f"needle-in-a-haystack recall ({cfg.split} split, depths "
+                 f"{'/'.join(map(str, cfg.depths))}%, {cfg.needles} per cell and haystack)",
+                 BASE_COLS + [("context", "context"), ("haystack", "haystack"), ("mode", "mode"), ("pool", "pool"),
+                              ("policy", "policy"), ("residency", "residency %"), ("needle", f"needle /{cfg.needles}"),
+                              ("by_depth", "by depth"), ("resident", "passkey chunk resident"),
+                              ("ranks", "passkey chunk rank per trial (free slots)"), ("prefill_s", "prefill s")])
+    notes = set()
+    builders: dict = {}
+    with Progress(len(ctxs) * len(hays) * cfg.needles * len(modes), "needle", cfg.quiet) as pb:
+        for D in ctxs:
+            sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=True)
+            if not sessions:
+                raise RuntimeError("no mode could be opened")
+            any_s = next(iter(sessions.values()))
+            for hay in hays:
+                if hay not in builders:
+                    builders[hay] = NeedleBuilder(any_s, cfg.seed, split=cfg.split, haystack=hay)
+                trials = _trials_for(cfg, builders[hay], D, cfg.answer_tokens + 1)
+                pb.advance(cfg.needles * len(na))
+                for t in trials:
+                    for m, s in sessions.items():
+                        pb.note(f"{ctx_label(D)} {hay} {m[0]} {m[1] or ''} {m[2] or ''} depth {t.depth}%")
+                        ans, dt, scores = _answer(s, t.ids, cfg.answer_tokens)
+                        ok = score(ans, t.value)
+                        st = s.stats
+                        c = _passkey_chunk(s, t.ids, t.value)
+                        kept = None if m[1] is None or c is None else bool(s.pager.chunk_table()["block"][c] >= 0)
+                        rank = free = None
+                        if m[1] is not None and scores is not None and c is not None:
+                            sc, prot, resident = scores
+                            rank = rank_of(sc, prot, c)
+                            free = int(s.pager.n_blocks - np.count_nonzero(prot & resident))
+                        res.raw.append({**_base(cfg, s), "context": D, "split": cfg.split, "haystack": hay,
+                                        "mode": m[0], "pool": m[1], "policy": s.policy.name if m[1] else None,
+                                        "trial": t.index, "depth": t.depth, "wording": t.wording,
+                                        "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
+                                        "prefill_s": dt, "residency_pct": st["residency_pct"],
+                                        "page_outs": st["page_outs"], "page_ins": st["page_ins"],
+                                        "rescores": st["rescores"], "passkey_chunk": c, "passkey_resident": kept,
+                                        "passkey_rank": rank, "free_slots": free})
+                        pb.advance(1, note=f"{ctx_label(D)} {hay} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
+                for m in modes:
+                    row = {**_base(cfg, any_s), "context": D, "haystack": hay, "mode": m[0],
+                           "pool": "-" if m[1] is None else m[1], "policy": "-" if m[1] is None else m[2],
+                           "residency": 100.0 if m[1] is None else round(100.0 * min(1.0, m[1] / D), 1)}
+                    if m in na:
+                        row["needle"] = "n/a"
+                        row["by_depth"] = na[m]
+                        notes.add(f"{m[2]}: {na[m]}")
+                        res.rows.append(row)
+                        continue
+                    rr = [x for x in res.raw if x["context"] == D and x["haystack"] == hay and x["mode"] == m[0]
+                          and x["pool"] == m[1] and (m[1] is None or x["policy"] == sessions[m].policy.name)]
+                    rr = rr[-cfg.needles:]
+                    row["needle"] = f"{sum(x['correct'] for x in rr)}/{len(rr)}"
+                    row["by_depth"] = " ".join(
+                        f"{d}%:{sum(x['correct'] for x in rr if x['depth'] == d)}/{sum(1 for x in rr if x['depth'] == d)}"
+                        for d in cfg.depths if any(x["depth"] == d for x in rr))
+                    row["prefill_s"] = summarize(x["prefill_s"] for x in rr)
+                    if m[1] is not None:
+                        kk = [x for x in rr if x["passkey_resident"] is not None]
+                        hit = sum(1 for x in kk if x["passkey_resident"] and x["correct"])
+                        row["resident"] = (f"{sum(x['passkey_resident'] for x in kk)}/{len(kk)} "
+                                           f"(answered {hit})")
+                        rk = [x for x in rr if x["passkey_rank"] is not None]
+                        if rk:
+                            row["ranks"] = " ".join("p" if x["passkey_rank"] < 0 else str(x["passkey_rank"])
+                                                    for x in rk) + f" ({rk[-1]['free_slots']})"
+                    if sessions[m].bench_fallback:
+                        row["policy"] = f"{m[2]}→{sessions[m].policy.name}"
+                    res.rows.append(row)
+            del sessions
+    res.notes += [_split_note(cfg, hays),
+                  f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
+                  f"stop at newline); the assistant turn is primed with the wording's answer prefix",
+                  "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there",
+                  "passkey chunk resident: after the answer, the chunk holding the passkey's first digit holds "
+                  "a pool block (a policy that kept it and still missed met the model's limit, not its own)",
+                  "rank: where the prompt's rescore put the passkey chunk among the chunks the policy chooses from "
+                  "(0 = best; p = protected, i.e. in the sink or tail window); the number in brackets is the free "
+                  "slots (pool blocks not held by protected chunks): rank < free slots means kept"]
+    res.notes += sorted(notes)
+    if (n := _long_note(cfg, max(ctxs))):
+        res.notes.append(n)
+    return res
