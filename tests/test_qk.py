@@ -1,0 +1,253 @@
+"""The qk policy and the scoring kernels it reads: chunk summaries, attention over the pool and over the
+whole history (paged-out keys included), the core's chunk peaks, and qk's peak scoring; each against numpy."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import kvflash
+from kvflash import _core
+from kvflash.scoring import QKPolicy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tinygguf import write_small_llama, write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_small_llama(tmp_path_factory.mktemp("qk") / "tiny.gguf", seed=3)
+
+
+def _tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+def test_qk_scores_match_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=2048, pool_tokens=1024, kv_type="f16", chunk_summaries=True)
+    rt.eval(_tokens(64 * 6 + 10))
+    q = rt.captured_queries()                       # [L, 1, H, D]
+    L, _, H, D = q.shape
+    Hkv, G = 2, H // 2
+    n_chunks = 7
+    for mode in ("bound", "mean"):
+        got = rt.qk_scores(mode)
+        assert got.shape == (n_chunks,)
+        assert np.isinf(got[6])                     # the unsealed head chunk has no summary
+        for c in range(6):
+            per_layer = []
+            for l in range(L):
+                keys = rt.chunk_keys(c, l).reshape(64, Hkv, D)
+                best = -np.inf
+                for h in range(H):
+                    qh = q[l, 0, h].astype(np.float64)
+                    kg = keys[:, h // G, :].astype(np.float64)
+                    if mode == "bound":
+                        s = np.maximum(qh * kg.min(0), qh * kg.max(0)).sum()
+                        assert s >= (kg @ qh).max() - 1e-4      # an upper bound of every q.k in the chunk
+                    else:
+                        mean = kg.mean(0)
+                        s = qh @ (mean / np.linalg.norm(mean))
+                    best = max(best, s)
+                per_layer.append(best)
+            assert got[c] == pytest.approx(np.mean(per_layer), rel=1e-4, abs=1e-4)
+
+
+def test_qk_scores_need_summaries(tiny):
+    rt = _core.Runtime(_core.Model(tiny, 1), max_ctx=1024, pool_tokens=512)
+    rt.eval(_tokens(100))
+    with pytest.raises(ValueError, match="summaries"):
+        rt.qk_scores("bound")
+    with pytest.raises(ValueError, match="mode"):
+        _core.Runtime(_core.Model(tiny, 1), max_ctx=1024, chunk_summaries=True).qk_scores("nope")
+
+
+def test_attention_scores_match_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=1024, pool_tokens=0, kv_type="f16", capture_queries=8)
+    n = 150
+    rt.eval(_tokens(n, 1))
+    got = rt.attention_scores()
+    q = rt.captured_queries()                       # [L, 8, H, D]
+    L, nq, H, D = q.shape
+    assert nq == 8
+    want = np.zeros(n)
+    scale = 1.0 / np.sqrt(D)
+    for l in range(L):
+        keys = np.stack([rt.pager.k_rows(l)[s].view(np.float16).astype(np.float64)
+                         for s in range(n)]).reshape(n, 2, D)
+        for h in range(H):
+            avg = np.zeros(n)
+            for i in range(nq):
+                qpos = n - nq + i
+                lg = keys[: qpos + 1, h // 2, :] @ q[l, i, h].astype(np.float64) * scale
+                p = np.exp(lg - lg.max())
+                avg[: qpos + 1] += p / p.sum() / nq
+            want = np.maximum(want, avg)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_qk_policy_in_session(tiny):
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="qk", tau=16, threads=1, verbose=False)
+    assert isinstance(s.policy, QKPolicy)
+    s.prefill(_tokens(64 * 12, 5).tolist())
+    assert s.stats["rescores"] == 1
+    list(s.generate(max_tokens=20, ignore_eos=True))
+    s.pager.check_invariants()
+
+
+def test_history_attention_sees_paged_out_keys(tmp_path):
+    # One layer: its keys and queries depend only on the tokens, so a pooled runtime that
+    # paged most of the history out must score exactly what a full cache scores.
+    path = str(tmp_path / "one.gguf")
+    write_tiny_model(path, "llama", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=9)
+    m = _core.Model(path, 1)
+    toks = _tokens(64 * 14 + 20, 7)
+    full = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="q8_0", capture_queries=8)
+    pooled = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="q8_0", capture_queries=8, seed=4)
+    for rt in (full, pooled):
+        rt.eval(toks[:-5])
+        for t in toks[-5:]:                       # decode steps: the capture window spans evals
+            rt.eval(np.asarray([t], dtype=np.int32))
+    assert pooled.pager.stats["host_chunks"] > 0
+    assert pooled.captured_queries().shape[1] == 8
+    np.testing.assert_allclose(pooled.captured_queries(), full.captured_queries(), rtol=1e-5, atol=1e-6)
+    want = full.attention_scores()
+    got = pooled.history_attention()
+    assert got.shape == want.shape == (len(toks),)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    # the pool-only scores cannot see the paged-out positions
+    unseen = pooled.attention_scores() == 0
+    assert unseen.sum() >= 64 * 6 and (got[unseen] > 0).mean() > 0.9
+    # truncate trims the capture window with the cache
+    pooled.truncate(len(toks) - 3)
+    assert pooled.captured_queries().shape[1] == 5
+    with pytest.raises(ValueError, match="captured"):
+        _core.Runtime(m, max_ctx=1024, pool_tokens=0).history_attention()
+    # a subset of the captured queries scores what a runtime capturing only those would
+    few = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="q8_0", capture_queries=3)
+    few.eval(toks[:-4])                            # its queries: positions n-7..n-5 = full's captured 1..3
+    assert few.n_captured == 3
+    sub = full.history_attention(q_first=1, q_count=3)
+    np.testing.assert_allclose(sub[:-4], few.history_attention(), rtol=1e-4, atol=1e-7)
+    assert not sub[-4:].any()                      # later keys are invisible to those queries
+    assert not np.allclose(full.history_attention(q_first=1, q_count=3), full.history_attention())
+    np.testing.assert_array_equal(full.history_attention(q_first=5), full.history_attention(q_first=5, q_count=3))
+    for first, count in ((8, 1), (-1, 2), (6, 3), (0, 0)):
+        with pytest.raises(ValueError, match="captured"):
+            full.history_attention(q_first=first, q_count=count)
+
+
+def test_qk_modes_and_errors():
+    assert QKPolicy().name == "qk" and QKPolicy().n_queries == 8 and not QKPolicy().needs_chunk_summaries
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="layers"):
+            QKPolicy(layers=bad)
+    with pytest.raises(ValueError, match="mode 'keys'"):
+        QKPolicy("bound", layers=2)
+    assert QKPolicy("bound").needs_chunk_summaries and QKPolicy("mean").name == "qk-mean"
+    with pytest.raises(ValueError, match="qk mode"):
+        QKPolicy("nope")
+    with pytest.raises(ValueError, match="n_queries"):
+        QKPolicy(n_queries=0)
+
+
+def test_history_attention_per_chunk_matches_numpy(tiny):
+    m = _core.Model(tiny, 1)
+    rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4)
+    n = 64 * 10 + 17
+    rt.eval(_tokens(n, 12))
+    assert rt.pager.stats["host_chunks"] > 0
+    full = _core.Runtime(m, max_ctx=2048, pool_tokens=0, kv_type="f16", capture_queries=4)
+    full.eval(_tokens(n, 12))
+    # the pooled runtime's own keys: layer 0 matches the full cache exactly (it sees only tokens)
+    got = rt.history_attention(per_chunk=True)
+    assert got.shape == (11,)
+    q = rt.captured_queries()                       # [L, 4, H, D]
+    L, nq, H, D = q.shape
+    want = np.zeros(11)
+    keys0 = np.stack([full.pager.k_rows(0)[s].view(np.float16).astype(np.float64) for s in range(n)]).reshape(n, 2, D)
+    for h in range(H):
+        avg = np.zeros(n)
+        for i in range(nq):
+            qpos = n - nq + i
+            lg = keys0[: qpos + 1, h // 2, :] @ q[0, i, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(lg - lg.max())
+            avg[: qpos + 1] += p / p.sum() / nq
+        per_chunk = np.add.reduceat(avg, np.arange(0, n, 64))
+        want = np.maximum(want, per_chunk)
+    # layer 1 can only raise the max: the per-chunk score bounds layer 0's from above
+    assert (got >= want - 1e-5).all()
+    one = _core.Runtime(m, max_ctx=2048, pool_tokens=512, kv_type="f16", capture_queries=4, eval_layers=1)
+    one.eval(_tokens(n, 12))
+    np.testing.assert_allclose(one.history_attention(per_chunk=True), want, rtol=1e-4, atol=1e-6)
+    # n_layers=1: the two-layer runtime's score over its first paged layer only is layer 0's, from numpy
+    np.testing.assert_allclose(rt.history_attention(per_chunk=True, n_layers=1), want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(rt.history_attention(per_chunk=True, n_layers=L + 5), got)  # past L: all
+    with pytest.raises(ValueError, match="n_layers"):
+        rt.history_attention(n_layers=-1)
+
+
+def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
+    # qk with aggregate="peak": the session captures n_queries + contrast queries.  Without paging, the
+    # expectation is a second runtime fed the same tokens in two parts (the baseline's queries end
+    # `contrast` tokens early), and numpy.  With paging (pool 512 < 9 chunks, paged-out keys read from the
+    # host store), the paged session's own captured queries: the newest 8 minus the oldest 8, then numpy.
+    toks = _tokens(64 * 9 + 5, 34).tolist()
+
+    def want_from(x, base):
+        x = x.astype(np.float64)
+        x[: len(base)] -= base
+        spread = np.array([x[max(0, i - 3): i + 4].max() for i in range(len(x))])
+        return np.array([spread[c * 64: (c + 1) * 64].max() for c in range(-(-len(toks) // 64))])
+
+    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3)
+    assert pol.n_capture == 32
+    whole = kvflash.Session(tiny, max_ctx=4096, kvflash=4096, policy=pol, threads=1, verbose=False)
+    whole.prefill(toks)
+    rt = _core.Runtime(_core.Model(tiny, 1), max_ctx=4096, pool_tokens=4096, kv_type="q8_0", capture_queries=8)
+    rt.eval(np.asarray(toks[:-24], dtype=np.int32))
+    base = rt.history_attention(n_threads=1).astype(np.float64)
+    rt.eval(np.asarray(toks[-24:], dtype=np.int32))
+    np.testing.assert_allclose(pol.score(whole.chunk_view()), want_from(rt.history_attention(n_threads=1), base),
+                               rtol=1e-5, atol=1e-8)
+
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=pol, threads=1, verbose=False)
+    s.prefill(toks)
+    assert s.pager.stats["host_chunks"] > 0 and s.runtime.n_captured == 32
+    r = s.runtime
+    want = want_from(r.history_attention(q_first=24, q_count=8), r.history_attention(q_first=0, q_count=8))
+    np.testing.assert_allclose(pol.score(s.chunk_view()), want, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="peak"):
+        QKPolicy(aggregate="chunk", contrast=8)   # contrast works on token scores only
+    with pytest.raises(ValueError, match="non-negative"):
+        QKPolicy(aggregate="peak", spread=-1)
+
+
+def test_chunk_peaks_in_the_core():
+    # the one token-to-chunk aggregation (qk's peak scores and the drafter's chunks go through it)
+    x = np.array([0.0, 3.0, -1.0, -2.0, 7.0, -4.0, -5.0])
+    chunk_of = np.array([0, 0, 1, 1, -1, 2, 2])        # token 4 belongs to no chunk
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 4, 0), [3, -1, -4, -5])   # chunk 3 empty: lowest-1
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 3, 1), [3, 7, 7])         # token 4 still spreads
+    np.testing.assert_allclose(_core.chunk_peaks(np.zeros(0), np.zeros(0), 2), [0, 0])
+    with pytest.raises(ValueError, match="n_chunks"):
+        _core.chunk_peaks(x, chunk_of, 2)
+    with pytest.raises(ValueError, match="one length"):
+        _core.chunk_peaks(x, chunk_of[:3], 3)
+    with pytest.raises(ValueError, match="spread"):
+        _core.chunk_peaks(x, chunk_of, 3, -1)
+
+
+def test_qk_defaults_are_peak_scoring_over_early_layers():
+    p = QKPolicy()
+    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.layers, p.n_capture) == ("peak", 8, 32, 4, "auto", 40)
+    assert [p.n_layers(n) for n in (3, 8, 30, 64)] == [3, 8, 8, 16]
+    assert QKPolicy(layers=None).n_layers(30) == 0 and QKPolicy(layers=12).n_layers(6) == 6
+    c = QKPolicy(aggregate="chunk")
+    assert (c.contrast, c.spread, c.n_capture) == (0, 0, 8)
+    assert QKPolicy("bound").aggregate == "chunk" and QKPolicy("bound").contrast == 0
