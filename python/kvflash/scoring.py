@@ -37,8 +37,9 @@ class QKPolicy:
       later layers' spikes drown the retrieval signal of the early ones.
       Defaults (8 queries, contrast 32, spread 4, auto layers) chosen on the
       tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
-    - ``"chunk"`` (the default before): per layer and head the attention mass a
-      chunk's positions receive, max over heads and layers.
+    - ``"chunk"``: per layer and head the attention mass a chunk's positions
+      receive, max over heads and layers (``aggregate="chunk", layers=None`` is
+      the qk before 63110a5, over every paged layer).
     - ``"token"``: tokens scored first (max over heads and layers), smoothed and
       averaged per chunk.
 
