@@ -154,6 +154,8 @@ static row_to_f32 converter(ggml_type t) {
 static constexpr uint16_t kF16NegInf = 0xFC00;
 
 // partials: [D + 2, H, n, S]: per range the running max m, the sum l, and acc[D].
+// One kernel body on purpose: the row loop, the online softmax and the dequantize-and-accumulate
+// share registers and early exits that a split into helpers would hide from the compiler.
 static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const auto *P = static_cast<const PoolAttnParams *>(ud);
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];

@@ -58,6 +58,7 @@ static int read_ids_file(const char *path, int32_t **ids, size_t *n, size_t *cap
     return rc;
 }
 
+/* One long main on purpose: the example reads top to bottom, the way an application calls the API. */
 int main(int argc, char **argv) {
     struct kvflash_params p = kvflash_default_params();
     struct kvflash_sampling greedy = kvflash_default_sampling();
