@@ -13,16 +13,8 @@ from kvflash import _core
 from kvflash.scoring import QKPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygguf import write_small_llama, write_tiny_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_small_llama(tmp_path_factory.mktemp("qk") / "tiny.gguf", seed=3)
-
-
-def _tokens(n, seed=0):
-    return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+from test_policies import _tokens, tiny  # noqa: E402,F401 (the same tiny model and tokens as the policy tests)
+from tinygguf import write_tiny_model  # noqa: E402
 
 
 def test_qk_scores_match_numpy(tiny):

@@ -7,12 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..common import (
-    BenchConfig,
-    Unavailable,
-    model_label,
-    open_session,
-)
+from ..common import BenchConfig, Unavailable, model_label, open_session
 
 BASE_COLS = [("model", "model"), ("threads", "threads"), ("kv_type", "kv")]
 

@@ -3,15 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..common import (
-    MIB,
-    BenchConfig,
-    Progress,
-    ctx_label,
-    decode_steps,
-    kv_resident_bytes,
-    summarize,
-)
+from ..common import MIB, BenchConfig, Progress, ctx_label, decode_steps, kv_resident_bytes, summarize
 from ..needle import NeedleBuilder, score
 from ..report import Result
 from ._shared import (

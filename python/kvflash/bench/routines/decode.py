@@ -3,16 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..common import (
-    MIB,
-    BenchConfig,
-    Progress,
-    ctx_label,
-    decode_steps,
-    kv_resident_bytes,
-    summarize,
-    text_tokens,
-)
+from ..common import MIB, BenchConfig, Progress, ctx_label, decode_steps, kv_resident_bytes, summarize, text_tokens
 from ..report import Result
 from ._shared import (
     BASE_COLS,

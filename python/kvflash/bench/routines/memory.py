@@ -4,16 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..common import (
-    MIB,
-    BenchConfig,
-    Progress,
-    Unavailable,
-    ctx_label,
-    kv_resident_bytes,
-    open_session,
-    text_tokens,
-)
+from ..common import MIB, BenchConfig, Progress, Unavailable, ctx_label, kv_resident_bytes, open_session, text_tokens
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note
 

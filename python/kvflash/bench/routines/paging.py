@@ -8,11 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import (
-    BenchConfig,
-    Progress,
-    summarize,
-)
+from ..common import BenchConfig, Progress, summarize
 from ..report import Result
 from ._shared import BASE_COLS, _base
 

@@ -3,15 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ..common import (
-    MIB,
-    BenchConfig,
-    Progress,
-    ctx_label,
-    kv_resident_bytes,
-    summarize,
-    text_tokens,
-)
+from ..common import MIB, BenchConfig, Progress, ctx_label, kv_resident_bytes, summarize, text_tokens
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note, _modes, _open_modes, _ratio
 

@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import (
-    BenchConfig,
-    Progress,
-    ctx_label,
-    summarize,
-)
+from ..common import BenchConfig, Progress, ctx_label, summarize
 from ..needle import NeedleBuilder, score
 from ..report import Result
 from ._shared import (

@@ -3,14 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ..common import (
-    BenchConfig,
-    Progress,
-    Unavailable,
-    ctx_label,
-    open_session,
-    text_tokens,
-)
+from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session, text_tokens
 from ..report import Result
 from ._shared import BASE_COLS, _base
 
