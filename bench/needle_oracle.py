@@ -37,11 +37,14 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=512)
     ap.add_argument("--trial", type=int, default=0)
     ap.add_argument("--keep", default="", help="';'-separated chunk lists, e.g. '6;5,6'")
+    ap.add_argument("--split", default="tuning", help="needle split (tuning, tuning-indirect, reporting)")
+    ap.add_argument("--haystack", default="prose", help="haystack (prose; ledger for the reporting split)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads,
                         verbose=False, seed=1234)
-    tr = NeedleBuilder(s, 1234).trial(a.trial, a.context - 13, [10, 50, 90])
+    # the needle routine's prompt for this trial (it reserves answer_tokens + 1 = 13 tokens)
+    tr = NeedleBuilder(s, 1234, split=a.split, haystack=a.haystack).trial(a.trial, a.context - 13, [10, 50, 90])
     ids = tr.ids
     data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
     at = int(np.searchsorted(ends, data.find(tr.value.encode()), side="right"))

@@ -18,6 +18,8 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("routine,extra", [
     ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk,qk-bound"]),
+    ("needle", ["--contexts", "1024", "--needles", "1", "--policies", "qk", "--no-full", "--tail-chunks", "2",
+                "--haystacks", "prose"]),
     ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter"]),
     ("ab", ["--contexts", "1024", "--needles", "2", "--steps", "4", "--policy", "qk"]),
     ("memory", ["--contexts", "2048"]),
@@ -37,11 +39,19 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     if routine == "needle":
         assert "passkey chunk resident" in (out / "table.md").read_text()
         rows = data["results"][0]["rows"]
-        # reporting split by default: both haystacks, a rank per trial for the scored policies
-        assert {r["haystack"] for r in rows} == {"prose", "ledger"}
+        # reporting split by default: both haystacks (unless narrowed), a rank per trial for the scored policies
+        assert {r["haystack"] for r in rows} == ({"prose"} if "--haystacks" in extra else {"prose", "ledger"})
         qk = [r for r in rows if r["policy"] == "qk"]
-        assert qk and all(len(r["ranks"].split(" (")[0].split()) == 2 for r in qk), qk
+        n_trials = int(extra[extra.index("--needles") + 1])
+        assert qk and all(len(r["ranks"].split(" (")[0].split()) == n_trials for r in qk), qk
         assert any("reporting data" in n for n in data["results"][0]["notes"])
+        if "--no-full" in extra:   # only the kvflash mode; a 2-chunk tail leaves 8 - 1 - 2 - 1 = 4 free slots
+            assert [r["mode"] for r in rows] == ["kvflash"], rows
+            assert rows[0]["ranks"].endswith("(4)"), rows
+            assert any("last 3 chunks" in n for n in data["results"][0]["notes"])
+        else:
+            assert {r["mode"] for r in rows} == {"full", "kvflash"}
+            assert all(r["ranks"].endswith("(2)") for r in qk), qk   # the default tail: 4 chunks + the open one
     if routine == "ab":
         rows = data["results"][0]["rows"]
         assert [r["mode"] for r in rows] == ["full", "full (A/A control)", "kvflash"], rows

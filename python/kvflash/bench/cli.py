@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control", choices=["full", "kvflash"], default=None,
                    help="ab, decode: the A/A control row's configuration (default: full in quick, kvflash in "
                         "standard and long, where a second full cache at 32K+ would double the run)")
+    p.add_argument("--no-full", dest="needle_full", action="store_false", default=None,
+                   help="needle: leave out the full-cache mode (its answers depend only on the prompts: an earlier "
+                        "run with the same --split, --seed, contexts and trials has them)")
+    p.add_argument("--tail-chunks", type=int, default=None,
+                   help="kvflash sessions' tail window in chunks, always resident (default: the Session's, 4)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -170,7 +175,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths"),
                     ("rescore_periods", "rescore_periods"), ("control", "control"), ("split", "split"),
                     ("haystacks", "haystacks"), ("memory_prefill", "memory_prefill"),
-                    ("memory_cells", "memory_cells")]:
+                    ("memory_cells", "memory_cells"), ("needle_full", "needle_full"),
+                    ("tail_chunks", "tail_chunks")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)

@@ -46,6 +46,8 @@ class BenchConfig:
     answer_tokens: int = 12
     memory_prefill: bool = False       # memory: a real prefill per cell instead of driving the pager alone
     memory_cells: list = dataclasses.field(default_factory=lambda: ["full", "ram", "file", "auto"])
+    needle_full: bool = True           # needle: include the full-cache mode (off: reuse an earlier run's full rows)
+    tail_chunks: Optional[int] = None  # kvflash sessions' tail window in chunks (None: the Session's default)
     split: str = "reporting"           # needle prompts: "tuning" (parameter searches) or "reporting" (figures)
     haystacks: list = dataclasses.field(default_factory=lambda: ["prose", "ledger"])  # reporting haystacks
     seed: int = 1234
@@ -259,6 +261,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         kw["policy"] = "lru"
     else:
         kw["policy"] = policy
+        if cfg.tail_chunks is not None:
+            kw["tail_window_chunks"] = cfg.tail_chunks
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

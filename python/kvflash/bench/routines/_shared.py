@@ -47,7 +47,8 @@ def _ratio(a: Optional[dict], b: Optional[dict]) -> Optional[str]:
 
 
 def _needle_modes(cfg: BenchConfig) -> list:
-    return [("full", None, None)] + [("kvflash", p, pol) for p in cfg.pools for pol in cfg.policies]
+    full = [("full", None, None)] if cfg.needle_full else []
+    return full + [("kvflash", p, pol) for p in cfg.pools for pol in cfg.policies]
 
 
 def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bool):

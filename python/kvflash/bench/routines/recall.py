@@ -104,7 +104,8 @@ def run_needle(cfg: BenchConfig) -> Result:
     res.notes += [_split_note(cfg, hays),
                   f"scored exact: the passkey's digits appear in the greedy answer (max {cfg.answer_tokens} tokens, "
                   f"stop at newline); the assistant turn is primed with the wording's answer prefix",
-                  "kvflash keeps the sink chunk and the last 5 chunks resident: LRU finds a needle only there",
+                  f"kvflash keeps the sink chunk and the last {(4 if cfg.tail_chunks is None else cfg.tail_chunks) + 1} "
+                  f"chunks (the tail window and the chunk being written) resident: LRU finds a needle only there",
                   "passkey chunk resident: after the answer, the chunk holding the passkey's first digit holds "
                   "a pool block (a policy that kept it and still missed met the model's limit, not its own)",
                   "rank: where the prompt's rescore put the passkey chunk among the chunks the policy chooses from "
