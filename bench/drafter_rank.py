@@ -28,7 +28,7 @@ import numpy as np
 
 import kvflash
 from kvflash.bench.needle import NeedleBuilder
-from kvflash.bench.routines import _passkey_chunk, rank_of
+from kvflash.bench.routines import passkey_chunks, rank_of, rank_text, span_rank
 from kvflash.models import resolve_model
 from kvflash.policies import ChunkView
 from kvflash.scoring import DrafterPolicy, QKPolicy
@@ -68,7 +68,7 @@ def main() -> None:
     drafter = str(resolve_model(a.drafter))
     builder = NeedleBuilder(s, a.seed, split=a.split)  # a parameter search: tuning data only
     print(f"split {a.split}, model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
-          f"among the unprotected chunks (kept when rank < free)")
+          f"among the unprotected chunks (a+b: the passkey straddles a chunk edge; kept when every rank < free)")
     for i in (int(x) for x in a.trials.split(",")):
         t = builder.trial(i, a.context - a.answer_tokens - 1, depths)
         n_chunks = -(-len(t.ids) // C)
@@ -78,7 +78,7 @@ def main() -> None:
         view = ChunkView(n_chunks=n_chunks, chunk_tokens=C, n_past=len(t.ids),
                          tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
                          protected=protected, pool_chunks=a.pool // C, session=s)
-        chunk = _passkey_chunk(s, t.ids, t.value)
+        chunks = passkey_chunks(s, t.ids, t.value)   # more than one when the passkey straddles a chunk edge
         if a.policy == "qk":   # the target's own history: a real pooled prefill
             s.reset()
             s.prefill(t.ids)
@@ -87,9 +87,11 @@ def main() -> None:
         ranks = []
         for v in variants:
             p = QKPolicy(**v) if a.policy == "qk" else DrafterPolicy(drafter, threads=a.threads, **v)
-            ranks.append((json.dumps(v), rank_of(p.score(view), view.protected, chunk)))
-        print(f"trial {i} depth {t.depth}% passkey chunk {chunk}/{view.n_chunks} free {free}: " +
-              ", ".join(f"{k} → {r}" for k, r in ranks), flush=True)
+            sc = p.score(view)
+            rr = [rank_of(sc, view.protected, c) for c in chunks]
+            ranks.append((json.dumps(v), rank_text(rr), span_rank(rr) < free))
+        print(f"trial {i} depth {t.depth}% passkey chunk {'+'.join(map(str, chunks))}/{view.n_chunks} free {free}: " +
+              ", ".join(f"{k} → {r}{'' if kept else ' (not kept)'}" for k, r, kept in ranks), flush=True)
 
 
 if __name__ == "__main__":

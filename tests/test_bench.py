@@ -124,3 +124,28 @@ def test_needle_splits_are_disjoint(tiny):
         NeedleBuilder(s, 1234, split="tuning-indirect", haystack="ledger")
     ind = NeedleBuilder(s, 1234, split="tuning-indirect").trial(0, 1500, [50])
     assert "The code is" in s.detokenize(ind.ids) and ind.value in s.detokenize(ind.ids)
+
+
+def test_passkey_span_and_rank():
+    """A passkey that straddles a chunk edge is kept only when all its chunks are; its rank is the worst of them."""
+    import numpy as np
+    from kvflash.bench.routines import passkey_chunks, rank_of, rank_text, span_rank
+
+    class Tok:   # one byte per token
+        @staticmethod
+        def bytes_of(ids, skip_special=True):
+            data = bytes(ids)
+            return data, np.arange(1, len(data) + 1)
+
+    class S:
+        tokenizer, chunk_tokens = Tok(), 4
+
+    ids = list(b"abcdef12345xyz")          # '12345' at tokens 6-10: chunks 1 and 2
+    assert passkey_chunks(S, ids, "12345") == [1, 2]
+    assert passkey_chunks(S, ids, "123") == [1, 2] and passkey_chunks(S, ids, "12") == [1]
+    assert passkey_chunks(S, ids, "999") == []
+    scores = np.array([9.0, 5.0, 1.0, 3.0])
+    prot = np.array([True, False, False, False])
+    rr = [rank_of(scores, prot, c) for c in (1, 2)]
+    assert rr == [0, 2] and span_rank(rr) == 2 and rank_text(rr) == "0+2"
+    assert rank_text([rank_of(scores, prot, 0)]) == "p" and span_rank([-1, -1]) == -1

@@ -5,7 +5,7 @@ repeat), so drift of a shared machine hits both sides; spreads are printed, neve
 """
 from __future__ import annotations
 
-from ._shared import _passkey_chunk, rank_of  # noqa: F401 (bench/drafter_rank.py)
+from ._shared import passkey_chunks, rank_of, rank_text, span_rank  # noqa: F401 (bench/drafter_rank.py)
 from .ab import run_ab
 from .decode import run_decode
 from .memory import run_memory

@@ -83,13 +83,16 @@ def _answer(s, ids: list, n: int) -> tuple:
     return text, dt, scores
 
 
-def _passkey_chunk(s, ids: list, value: str) -> Optional[int]:
-    """The chunk holding the passkey's first byte (None if the digits are not in the prompt)."""
+def passkey_chunks(s, ids: list, value: str) -> list:
+    """Every chunk holding a byte of the passkey, in order ([] if the digits are not in the prompt): a
+    passkey can straddle a chunk edge, and the answer needs all of its digits resident."""
     data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
     off = data.find(value.encode())
     if off < 0:
-        return None
-    return int(np.searchsorted(ends, off, side="right")) // s.chunk_tokens
+        return []
+    first = int(np.searchsorted(ends, off, side="right")) // s.chunk_tokens
+    last = int(np.searchsorted(ends, off + len(value.encode()) - 1, side="right")) // s.chunk_tokens
+    return list(range(first, last + 1))
 
 
 def rank_of(scores: np.ndarray, protected: np.ndarray, chunk: int) -> int:
@@ -99,6 +102,18 @@ def rank_of(scores: np.ndarray, protected: np.ndarray, chunk: int) -> int:
     order = cand[np.argsort(-np.asarray(scores)[cand], kind="stable")]
     hit = np.where(order == chunk)[0]
     return int(hit[0]) if len(hit) else -1
+
+
+def span_rank(ranks: list) -> int:
+    """The rank that decides whether a passkey spanning several chunks is kept whole: the worst of its
+    chunks' ranks (-1, protected, counts as kept); -1 when every chunk is protected."""
+    return max(ranks) if ranks else -1
+
+
+def rank_text(ranks: list) -> str:
+    """One trial's ranks for a table: 'p' for a protected chunk, '+' between the chunks of a passkey that
+    straddles a chunk edge (e.g. '0+5': the first digits' chunk ranked 0, the last digits' 5)."""
+    return "+".join("p" if r < 0 else str(r) for r in ranks)
 
 
 def _trials_for(cfg, builder, D, reserve):

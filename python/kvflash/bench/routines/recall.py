@@ -13,10 +13,12 @@ from ._shared import (
     _long_note,
     _needle_modes,
     _open_modes,
-    _passkey_chunk,
     _split_note,
     _trials_for,
+    passkey_chunks,
     rank_of,
+    rank_text,
+    span_rank,
 )
 
 
@@ -54,12 +56,14 @@ def run_needle(cfg: BenchConfig) -> Result:
                         ans, dt, scores = _answer(s, t.ids, cfg.answer_tokens)
                         ok = score(ans, t.value)
                         st = s.stats
-                        c = _passkey_chunk(s, t.ids, t.value)
-                        kept = None if m[1] is None or c is None else bool(s.pager.chunk_table()["block"][c] >= 0)
-                        rank = free = None
-                        if m[1] is not None and scores is not None and c is not None:
+                        cs = passkey_chunks(s, t.ids, t.value)
+                        blocks = s.pager.chunk_table()["block"]
+                        kept = None if m[1] is None or not cs else all(bool(blocks[c] >= 0) for c in cs)
+                        rank = ranks = free = None
+                        if m[1] is not None and scores is not None and cs:
                             sc, prot, resident = scores
-                            rank = rank_of(sc, prot, c)
+                            ranks = [rank_of(sc, prot, c) for c in cs]
+                            rank = span_rank(ranks)
                             free = int(s.pager.n_blocks - np.count_nonzero(prot & resident))
                         res.raw.append({**_base(cfg, s), "context": D, "split": cfg.split, "haystack": hay,
                                         "mode": m[0], "pool": m[1], "policy": s.policy.name if m[1] else None,
@@ -67,8 +71,10 @@ def run_needle(cfg: BenchConfig) -> Result:
                                         "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
                                         "prefill_s": dt, "residency_pct": st["residency_pct"],
                                         "page_outs": st["page_outs"], "page_ins": st["page_ins"],
-                                        "rescores": st["rescores"], "passkey_chunk": c, "passkey_resident": kept,
-                                        "passkey_rank": rank, "free_slots": free})
+                                        "rescores": st["rescores"], "passkey_chunk": cs[0] if cs else None,
+                                        "passkey_chunks": " ".join(map(str, cs)), "passkey_resident": kept,
+                                        "passkey_rank": rank, "passkey_ranks": None if ranks is None else
+                                        rank_text(ranks), "free_slots": free})
                         pb.advance(1, note=f"{ctx_label(D)} {hay} {m[0]} {m[2] or ''}: {'ok' if ok else 'miss'}")
                 for m in modes:
                     row = {**_base(cfg, any_s), "context": D, "haystack": hay, "mode": m[0],
@@ -95,8 +101,7 @@ def run_needle(cfg: BenchConfig) -> Result:
                                            f"(answered {hit})")
                         rk = [x for x in rr if x["passkey_rank"] is not None]
                         if rk:
-                            row["ranks"] = " ".join("p" if x["passkey_rank"] < 0 else str(x["passkey_rank"])
-                                                    for x in rk) + f" ({rk[-1]['free_slots']})"
+                            row["ranks"] = " ".join(x["passkey_ranks"] for x in rk) + f" ({rk[-1]['free_slots']})"
                     if sessions[m].bench_fallback:
                         row["policy"] = f"{m[2]}→{sessions[m].policy.name}"
                     res.rows.append(row)
@@ -106,11 +111,12 @@ def run_needle(cfg: BenchConfig) -> Result:
                   f"stop at newline); the assistant turn is primed with the wording's answer prefix",
                   f"kvflash keeps the sink chunk and the last {(4 if cfg.tail_chunks is None else cfg.tail_chunks) + 1} "
                   f"chunks (the tail window and the chunk being written) resident: LRU finds a needle only there",
-                  "passkey chunk resident: after the answer, the chunk holding the passkey's first digit holds "
-                  "a pool block (a policy that kept it and still missed met the model's limit, not its own)",
+                  "passkey chunk resident: after the answer, every chunk holding a digit of the passkey holds "
+                  "a pool block (a policy that kept them and still missed met the model's limit, not its own)",
                   "rank: where the prompt's rescore put the passkey chunk among the chunks the policy chooses from "
-                  "(0 = best; p = protected, i.e. in the sink or tail window); the number in brackets is the free "
-                  "slots (pool blocks not held by protected chunks): rank < free slots means kept"]
+                  "(0 = best; p = protected, i.e. in the sink or tail window; a+b: the passkey straddles a chunk "
+                  "edge, a is its first digits' chunk, b its last digits'); the number in brackets is the free "
+                  "slots (pool blocks not held by protected chunks): kept when every rank < free slots"]
     res.notes += sorted(notes)
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
