@@ -235,6 +235,28 @@ def test_chunk_peaks_in_the_core():
         _core.chunk_peaks(x, chunk_of, 3, -1)
 
 
+def test_chunk_peaks_carry_ranks_the_value_chunk_right_behind_its_key():
+    # a key peak at token 5, the last of chunk 1 (chunks of 3 tokens); chunk 3 holds a rival of 4.0
+    x = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.1, 0.1, 0.1, 4.0, 0.0, 0.0])
+    chunk_of = np.repeat(np.arange(4), 3)
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 4, 0), [0, 5, 0.1, 4], rtol=1e-6)
+    got = _core.chunk_peaks(x, chunk_of, 4, 0, carry=2)   # tokens 6 and 7 take 5.0, a hair lower
+    assert got[1] == np.float32(5.0) and 4.0 < got[2] < 5.0 and got[2] > 5.0 * (1 - 1e-5), got
+    assert list(np.argsort(-got, kind="stable")) == [1, 2, 3, 0]   # the value chunk second, the rival third
+    assert got[3] == np.float32(4.0) and got[0] == 0.0            # carry looks back only
+    # carry works on top of spread and only reaches further back than spread does
+    np.testing.assert_allclose(_core.chunk_peaks(x, chunk_of, 4, 1, carry=1), _core.chunk_peaks(x, chunk_of, 4, 1))
+    neg = -np.arange(1.0, 7.0)                                    # all negative: carried stays just below
+    c = _core.chunk_peaks(neg, np.repeat(np.arange(2), 3), 2, 0, carry=3)
+    assert c[0] == np.float32(-1.0) and -1.0 > c[1] > -1.0001, c
+    with pytest.raises(ValueError, match="carry"):
+        _core.chunk_peaks(x, chunk_of, 4, 0, carry=-1)
+    with pytest.raises(ValueError, match="non-negative"):
+        QKPolicy(carry=-2)
+    with pytest.raises(ValueError, match="peak"):
+        QKPolicy(aggregate="chunk", carry=8)
+
+
 def test_qk_defaults_are_peak_scoring_over_early_layers():
     p = QKPolicy()
     assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.layers, p.n_capture) == ("peak", 8, 32, 4, "auto", 40)

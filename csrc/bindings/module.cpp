@@ -75,16 +75,17 @@ PYBIND11_MODULE(_core, m) {
     m.attr("MAX_CONTEXT") = kMaxContext;
     m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,
                             py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of, int32_t n_chunks,
-                            int32_t spread) {
+                            int32_t spread, int32_t carry) {
               if (x.ndim() != 1 || chunk_of.ndim() != 1 || x.shape(0) != chunk_of.shape(0))
                   throw std::invalid_argument("chunk_peaks: x and chunk_of must be 1-D arrays of one length");
               if (n_chunks < 0) throw std::invalid_argument("chunk_peaks: n_chunks must be >= 0");
               py::array_t<float> out(static_cast<py::ssize_t>(n_chunks));
-              chunk_peaks(x.data(), x.shape(0), chunk_of.data(), n_chunks, spread, out.mutable_data());
+              chunk_peaks(x.data(), x.shape(0), chunk_of.data(), n_chunks, spread, out.mutable_data(), carry);
               return out;
-          }, py::arg("x"), py::arg("chunk_of"), py::arg("n_chunks"), py::arg("spread") = 0,
+          }, py::arg("x"), py::arg("chunk_of"), py::arg("n_chunks"), py::arg("spread") = 0, py::arg("carry") = 0,
           "Token scores to chunk scores (scoring.h): each token the max of the `spread` tokens either side, each "
-          "chunk its peak token (chunk_of < 0: a token of no chunk); empty chunks score one below the lowest.");
+          "chunk its peak token (chunk_of < 0: a token of no chunk); empty chunks score one below the lowest; carry: "
+          "a token also takes, a hair lower, the scores of the `carry` tokens before it.");
     m.def("qk_auto_layers", &qk_auto_layers, py::arg("n_paged"),
           "The qk policy's default layer count for a model with n_paged paged layers.");
     m.def("check_max_ctx", [](int64_t max_ctx) { check_max_ctx(max_ctx); }, py::arg("max_ctx"),

@@ -199,8 +199,9 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
 }
 
 void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
-                 float *out) {
+                 float *out, int32_t carry) {
     if (spread < 0) throw std::invalid_argument("spread must be >= 0, got " + std::to_string(spread));
+    if (carry < 0) throw std::invalid_argument("carry must be >= 0, got " + std::to_string(carry));
     const double ninf = -std::numeric_limits<double>::infinity();
     std::vector<double> best(static_cast<size_t>(std::max(n_chunks, 0)), ninf);
     for (int64_t i = 0; i < n; ++i) {
@@ -212,6 +213,9 @@ void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_
         double v = x[i];
         for (int64_t j = std::max<int64_t>(0, i - spread); j <= std::min<int64_t>(n - 1, i + spread); ++j)
             v = std::max(v, x[j]);
+        // carried from further back: just below the source (1e-6 relative survives the float out)
+        for (int64_t j = std::max<int64_t>(0, i - carry); j < i - spread; ++j)
+            v = std::max(v, x[j] - (std::fabs(x[j]) * 1e-6 + 1e-30));
         best[size_t(c)] = std::max(best[size_t(c)], v);
     }
     double lo = -ninf;
@@ -222,8 +226,8 @@ void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_
 }
 
 void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads) {
-    if (p.n_queries < 1 || p.contrast < 0 || p.spread < 0 || p.n_layers < 0)
-        throw std::invalid_argument("qk peak scoring: n_queries >= 1, contrast, spread, n_layers >= 0");
+    if (p.n_queries < 1 || p.contrast < 0 || p.spread < 0 || p.n_layers < 0 || p.carry < 0)
+        throw std::invalid_argument("qk peak scoring: n_queries >= 1, contrast, spread, n_layers, carry >= 0");
     const int32_t n_cap = rt.n_captured();
     const int64_t n = rt.n_past(), C = rt.config().chunk_tokens;
     if (n_chunks < 0 || n_chunks > (n + C - 1) / C)
@@ -239,7 +243,7 @@ void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t
     }
     std::vector<int32_t> chunk_of(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) chunk_of[size_t(i)] = i / C < n_chunks ? int32_t(i / C) : -1;
-    chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, out);
+    chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, out, p.carry);
 }
 
 }  // namespace kvflash

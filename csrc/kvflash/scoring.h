@@ -61,8 +61,11 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
 // either side (in token order, across chunk edges: a fact spans the words after the one attended
 // to), then a chunk takes its peak token.  Chunks no token maps to score one below the lowest
 // scored chunk, so they rank last without a sentinel that breaks a sort.  out: [n_chunks].
+// carry > spread: a token also takes the score of the tokens up to `carry` before it, a hair below
+// the source's (the value of a fact follows its key: the chunk after a key near a chunk edge ranks
+// right behind the key's chunk instead of tying it).
 void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
-                 float *out);
+                 float *out, int32_t carry = 0);
 
 // The qk policy's default scoring ("peak"), with the target's own captured queries.
 struct PeakScoring {
@@ -70,6 +73,7 @@ struct PeakScoring {
     int32_t contrast = 32;   // minus what the n_queries ending `contrast` tokens earlier pay (0: off)
     int32_t spread = 4;      // chunk_peaks' spread
     int32_t n_layers = 0;    // the first n_layers paged layers only (0: all)
+    int32_t carry = 0;       // chunk_peaks' carry (0: none beyond spread)
 };
 
 // The qk policy's default layer count: a quarter of the paged layers but at least 8 (all when

@@ -31,7 +31,10 @@ class QKPolicy:
       max over heads and the first ``layers`` paged layers), minus what the
       ``n_queries`` ending ``contrast`` tokens earlier pay it (what any query
       attends to -- sinks, common words -- cancels; 0: off), each token taking the
-      peak of the ``spread`` tokens either side, and a chunk its peak token.  The
+      peak of the ``spread`` tokens either side, and a chunk its peak token.
+      ``carry=N`` (default 0: off) also gives each token, a hair lower, the score
+      of the N tokens before it: the value of a fact follows its key, so the chunk
+      after a key that sits near a chunk edge ranks right behind the key's.  The
       runtime then captures n_queries + contrast queries.  ``layers="auto"`` reads
       a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
@@ -55,7 +58,7 @@ class QKPolicy:
 
     def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5,
                  aggregate: Optional[str] = None, contrast: Optional[int] = None, spread: Optional[int] = None,
-                 layers="auto"):
+                 layers="auto", carry: int = 0):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
         if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 256:
@@ -66,7 +69,7 @@ class QKPolicy:
             raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
         peak = aggregate == "peak" and mode == "keys"
         resolved = {}
-        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4)):
+        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4), ("carry", carry, 0)):
             if v is None:
                 v = default if peak else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -83,7 +86,7 @@ class QKPolicy:
         self.mode = mode
         self.layers = layers if mode == "keys" else None
         self.aggregate = aggregate
-        self.contrast, self.spread = resolved["contrast"], resolved["spread"]
+        self.contrast, self.spread, self.carry = resolved["contrast"], resolved["spread"], resolved["carry"]
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
@@ -105,7 +108,7 @@ class QKPolicy:
         nl = self.n_layers(rt.n_paged_layers)
         if self.aggregate == "peak":
             return rt.qk_peak_scores(view.n_chunks, n_queries=self.n_queries, contrast=self.contrast,
-                                     spread=self.spread, n_layers=nl)
+                                     spread=self.spread, n_layers=nl, carry=self.carry)
         if self.aggregate == "chunk":   # the last n_queries captured (the runtime may keep more)
             return rt.history_attention(per_chunk=True, q_first=max(0, rt.n_captured - self.n_queries),
                                         n_layers=nl)[: view.n_chunks]
