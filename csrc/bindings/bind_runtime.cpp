@@ -84,6 +84,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      r->rt->set_observer(r->summaries);
                  }
                  r->sampler.seed(seed);
+                 // Ctrl-C between the pieces of a long prompt: the runtime takes the evaluated
+                 // pieces back and eval raises KeyboardInterrupt (PyErr_CheckSignals set it).
+                 r->rt->set_interrupt([] {
+                     py::gil_scoped_acquire gil;
+                     return PyErr_CheckSignals() != 0;
+                 });
                  return r;
              }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
              py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
@@ -106,18 +112,22 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
             ref.owner = r;
             ref.p = &r->rt->pager();
             ref.pool = &r->rt->pool();
+            ref.busy = &r->busy;
             return ref;
         })
         .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits) {
-                 auto t = token_ids(tokens);
-                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(tokens);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval: too many tokens in one call");
+                 const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
                  py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(n), py::ssize_t(V)})
                                                      : py::array_t<float>(py::ssize_t(V));
                  float *o = out.mutable_data();
-                 const int32_t *tp = t.data();
-                 {
+                 try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(tp, n, all_logits, o);
+                     r.rt->eval(t.data(), n, all_logits, o);
+                 } catch (const EvalInterrupted &) {
+                     throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
                  return out;
              }, py::arg("tokens"), py::arg("all_logits") = false,
@@ -127,21 +137,25 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      throw std::invalid_argument("eval_sample: this runtime evaluates only its first " +
                                                  std::to_string(r.rt->config().eval_layers) +
                                                  " layers (a scoring runtime) and has no logits to sample");
-                 auto t = token_ids(tokens);
-                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(tokens);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval_sample: too many tokens in one call");
+                 const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
                  r.logits.resize(V);
-                 const int32_t *tp = t.data();
                  int32_t tok;
-                 {
+                 try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(tp, n, false, r.logits.data());
+                     r.rt->eval(t.data(), n, false, r.logits.data());
                      tok = r.sampler.sample(r.logits.data(), V, sp);
+                 } catch (const EvalInterrupted &) {
+                     throw py::error_already_set();
                  }
                  return tok;
              }, py::arg("tokens"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Append tokens and sample the next token id from the last logits.")
         .def("sample", [](PyRuntime &r, py::array logits, float temperature, int32_t top_k, float top_p, float min_p) {
+                 InUse use(&r.busy);
                  auto l = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(logits);
                  const int32_t V = r.model->hparams().n_vocab;
                  if (!l || l.ndim() != 1 || l.shape(0) != V)
@@ -151,11 +165,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
         .def("last_logits", [](PyRuntime &r) {
+                 InUse use(&r.busy);
                  return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
              })
-        .def("seed", [](PyRuntime &r, uint64_t s) { r.sampler.seed(s); }, py::arg("seed"))
-        .def("truncate", [](PyRuntime &r, int64_t n) { r.rt->truncate(n); }, py::arg("n_past"))
-        .def("reset", [](PyRuntime &r) { r.rt->reset(); })
+        .def("seed", [](PyRuntime &r, uint64_t s) { InUse use(&r.busy); r.sampler.seed(s); }, py::arg("seed"))
+        .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.rt->truncate(n); }, py::arg("n_past"))
+        .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.rt->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();
             py::dict d;

@@ -17,10 +17,11 @@
  *   kvflash_sample(s, NULL, &g, &tok);                            // first token
  *   for (int i = 0; i < n; ++i) kvflash_decode(s, tok, &g, &tok); // one token a call
  *
- * Threads: not thread-safe.  A model and every session over it share one ggml
- * backend (its worker threads and scratch buffer), so calls on them must not
- * overlap: serialize them (one thread, or a lock per model).  Different models
- * may be used from different threads at once.  kvflash_default_params,
+ * Threads: a model and every session over it share one ggml backend (its worker
+ * threads and scratch buffer); the core serializes their graph computes with a
+ * lock per model, so different sessions, over one model or not, may be used from
+ * different threads at once.  One session must not be used by two threads at
+ * once (serialize calls on it yourself).  kvflash_default_params,
  * kvflash_default_sampling and kvflash_version are safe from any thread.
  *
  * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct

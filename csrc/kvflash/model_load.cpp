@@ -68,6 +68,28 @@ std::string GGUFKeys::get_str(const std::string &k, const std::string &def, bool
     return gguf_get_val_str(g, id);
 }
 
+// The storage types a weight may have: vectors (norms, biases) are F32, as every
+// converter writes them (the graph adds and multiplies them into F32 activations);
+// matrices are F32, F16, BF16 or a quantized type ggml's CPU backend has a dot product
+// for (what ggml_mul_mat and ggml_get_rows need).  Anything else (I8, I32, F64, ...)
+// would load and then abort inside ggml on the first eval.
+void check_weight_type(const std::string &file, const ggml_tensor *t, bool matrix) {
+    const ggml_type ty = t->type;
+    bool ok;
+    if (!matrix) {
+        ok = ty == GGML_TYPE_F32;
+    } else {
+        const auto *cpu = ggml_get_type_traits_cpu(ty);
+        ok = (ty == GGML_TYPE_F32 || ty == GGML_TYPE_F16 || ty == GGML_TYPE_BF16 || ggml_is_quantized(ty)) && cpu &&
+             cpu->vec_dot && t->ne[0] % ggml_blck_size(ty) == 0;
+    }
+    if (!ok)
+        throw std::invalid_argument(file + ": tensor '" + ggml_get_name(t) + "' has type " + ggml_type_name(ty) +
+                                    (matrix ? ", which is not a weight type kvflash computes with (F32, F16, BF16 or a "
+                                              "ggml quantized type)"
+                                            : "; norms and biases must be F32") + ": re-convert the model");
+}
+
 ggml_tensor *TensorLoader::get(const std::string &name, const std::vector<int64_t> &shape, bool required) const {
     ggml_tensor *t = ggml_get_tensor(meta, name.c_str());
     if (!t) {
@@ -82,6 +104,7 @@ ggml_tensor *TensorLoader::get(const std::string &name, const std::vector<int64_
         for (int d = 0; d < ggml_n_dims(t); ++d) got += (d ? ", " : "") + std::to_string(t->ne[d]);
         throw std::invalid_argument(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
     }
+    check_weight_type(file, t, shape.size() >= 2);
     return t;
 }
 
@@ -163,7 +186,11 @@ std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, c
     m->device_ = dev;
     m->read_header(path);
     m->read_tensors();
-    m->place_weights(n_threads > 0 ? n_threads : int32_t(std::max(1u, std::thread::hardware_concurrency())));
+    const int32_t hw = int32_t(std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), GGML_MAX_N_THREADS));
+    if (n_threads > GGML_MAX_N_THREADS)  // before any file work, as the device
+        throw std::invalid_argument("n_threads " + std::to_string(n_threads) + " is above ggml's limit of " +
+                                    std::to_string(GGML_MAX_N_THREADS) + " threads; use at most the machine's cores");
+    m->place_weights(n_threads > 0 ? n_threads : hw);
     return m;
 }
 
@@ -185,11 +212,16 @@ void Model::read_header(const std::string &path) {
     if (!gguf_) throw std::invalid_argument(path + ": corrupt or truncated GGUF header");
     map_bytes_ = size_t(st.st_size);
 
-    // Every tensor's bytes must lie inside the file.
+    // Every tensor's bytes must lie inside the file (the sums checked for wrapping).
     const size_t data_off = gguf_get_data_offset(gguf_);
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
         const char *name = gguf_get_tensor_name(gguf_, i);
-        const size_t end = data_off + gguf_get_tensor_offset(gguf_, i) + ggml_nbytes(ggml_get_tensor(meta_, name));
+        const ggml_tensor *t = ggml_get_tensor(meta_, name);
+        if (!t) throw std::invalid_argument(path + ": corrupt GGUF: tensor '" + name + "' has no metadata");
+        size_t end = 0;
+        if (__builtin_add_overflow(data_off, gguf_get_tensor_offset(gguf_, i), &end) ||
+            __builtin_add_overflow(end, ggml_nbytes(t), &end))
+            throw std::invalid_argument(path + ": corrupt GGUF: tensor '" + name + "' has an offset past any file");
         if (end > size_t(st.st_size))
             throw std::invalid_argument(path + ": truncated: tensor '" + name + "' ends at byte " + std::to_string(end) +
                                         " but the file has " + std::to_string(st.st_size));
@@ -212,6 +244,10 @@ void Model::read_tensors() {
     if (!tok_embd) throw std::invalid_argument(path_ + ": missing tensor 'token_embd.weight'");
     if (tok_embd->ne[0] != E || ggml_n_dims(tok_embd) != 2)
         throw std::invalid_argument(path_ + ": tensor 'token_embd.weight' must be [n_embd=" + std::to_string(E) + ", n_vocab]");
+    check_weight_type(path_, tok_embd, true);
+    if (tok_embd->ne[1] <= 0 || tok_embd->ne[1] > std::numeric_limits<int32_t>::max())
+        throw std::invalid_argument(path_ + ": token_embd.weight has " + std::to_string(tok_embd->ne[1]) +
+                                    " rows; the vocabulary must have 1 .. 2^31-1 tokens (token ids are int32)");
     hp.n_vocab = int32_t(tok_embd->ne[1]);
     const int64_t V = hp.n_vocab;
     const int64_t vocab_kv = GGUFKeys{gguf_, path_, hp.arch}.a("vocab_size", V, false);
@@ -301,6 +337,10 @@ Model::~Model() {
 
 void Model::set_n_threads(int32_t n) {
     if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
+    if (n > GGML_MAX_N_THREADS)
+        throw std::invalid_argument("n_threads " + std::to_string(n) + " is above ggml's limit of " +
+                                    std::to_string(GGML_MAX_N_THREADS) + " threads; use at most the machine's cores");
+    std::lock_guard<std::mutex> lock(compute_mu_);
     n_threads_ = n;
     if (backend_ && ggml_backend_is_cpu(backend_)) ggml_backend_cpu_set_n_threads(backend_, n);
 }

@@ -1,0 +1,373 @@
+"""Misuse and hostile input (issue 16): threads, iterators, interrupts and bad values
+give a clear Python exception, leave the session usable, and never crash the
+interpreter.  Anything that crashed before the fix runs in a child interpreter."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+core = pytest.importorskip("kvflash._core")
+pytest.importorskip("gguf")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from tinygguf import write_small_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return write_small_llama(tmp_path_factory.mktemp("misuse") / "small.gguf", seed=3)
+
+
+def _run_isolated(code: str, timeout: int = 300) -> tuple[int, str]:
+    """Run code in a child interpreter (on this process's cores): a crash there cannot take pytest down."""
+    prelude = f"import sys; sys.path.insert(0, {HERE!r})\n"
+    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=timeout)
+    return r.returncode, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- threads
+
+def test_second_thread_on_one_runtime_is_refused(small):
+    # A reset from another thread while an eval computes (GIL released) would free the
+    # graph and the pager's state under it; the runtime's guard refuses it instead.
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        prompt = (np.arange(3000) % 250).astype(np.int32)
+        err = []
+        def work():
+            try:
+                rt.eval(prompt)
+            except BaseException as e:
+                err.append(repr(e))
+        t = threading.Thread(target=work)
+        t.start()
+        refused = other = 0
+        while t.is_alive():
+            try:
+                rt.reset()
+            except RuntimeError as e:
+                assert "in use by another thread" in str(e), e
+                refused += 1
+            except Exception as e:
+                other += 1
+        t.join()
+        print("refused", refused, "other", other, "err", err, "n_past", rt.n_past)
+        assert not err and other == 0, (err, other)
+        assert refused > 0
+        rt.pager.check_invariants()
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_pager_view_refused_while_its_runtime_computes(small):
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        pg = rt.pager
+        t = threading.Thread(target=rt.eval, args=((np.arange(3000) % 250).astype(np.int32),))
+        t.start()
+        refused = 0
+        while t.is_alive():
+            try:
+                pg.reselect(np.zeros(pg.n_chunks, dtype=np.float32))
+            except RuntimeError as e:
+                assert "in use by another thread" in str(e), e
+                refused += 1
+        t.join()
+        assert refused > 0 and rt.n_past == 3000
+        pg.check_invariants()
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_runtimes_sharing_a_model_compute_one_at_a_time(small):
+    # Two runtimes over one Model share its CPU backend (work buffer, thread pool):
+    # evaluated together from two threads, each must give what it gives alone.
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        prompts = [(np.arange(1500) * k % 250).astype(np.int32) for k in (1, 7)]
+        def run(p):
+            rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, ubatch=32)
+            return rt.eval(p, all_logits=True)
+        alone = [run(p) for p in prompts]
+        for rep in range(3):
+            got = [None, None]
+            def work(i):
+                got[i] = run(prompts[i])
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in ts: t.start()
+            for t in ts: t.join()
+            for a, g in zip(alone, got):
+                assert g is not None and np.array_equal(a, g), "logits differ when two runtimes share the model"
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_token_ids_are_copied_before_the_gil_is_released(small):
+    # Another thread rewrites the caller's token buffer once eval has started computing
+    # (its first piece is in): eval reads the ids it validated (a copy), not the new ones
+    # (out-of-range ids there would reach ggml's get_rows unchecked).
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        prompt = (np.arange(3000) % 250).astype(np.int32)
+        ref = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64).eval(prompt.copy())
+        buf = prompt.copy()
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        got = []
+        t = threading.Thread(target=lambda: got.append(rt.eval(buf)))
+        t.start()
+        while t.is_alive() and rt.n_past == 0:
+            pass
+        while t.is_alive():
+            buf[:] = 1
+        t.join()
+        assert got and np.array_equal(got[0], ref)
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_model_thread_count_is_bounded(small):
+    # 10**5 threads: ggml's thread pool holds at most GGML_MAX_N_THREADS (512); the
+    # first graph compute with more crashed the interpreter.
+    rc, out = _run_isolated(f"""
+        import numpy as np
+        from kvflash import _core
+        try:
+            m = _core.Model({small!r}, n_threads=10**5)
+            rt = _core.Runtime(m, max_ctx=64)
+            rt.eval(np.arange(4, dtype=np.int32))
+            print("LOADED")
+        except ValueError as e:
+            print("ValueError", e)
+        m = _core.Model({small!r}, n_threads=1)
+        try:
+            m.n_threads = 10**5
+            print("SET")
+        except ValueError as e:
+            print("ValueError", e)
+        assert m.n_threads == 1
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out and out.count("ValueError") == 2 and "512" in out, out
+
+
+# ---------------------------------------------------------------- sampler
+
+@pytest.mark.parametrize("bad", ["nan", "nan-some", "inf", "all-neg-inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_are_an_error(small, bad, temperature):
+    m = core.Model(small, n_threads=1)
+    rt = core.Runtime(m, max_ctx=64)
+    V = rt.n_vocab
+    x = np.random.default_rng(0).normal(size=V).astype(np.float32)
+    if bad == "nan":
+        x[:] = np.nan
+    elif bad == "nan-some":
+        x[::3] = np.nan
+    elif bad == "inf":
+        x[5] = np.inf
+    else:
+        x[:] = -np.inf
+    with pytest.raises(ValueError, match="(?i)nan|inf|finite"):
+        rt.sample(x, temperature=temperature, top_k=0, top_p=0.9)
+    x[:] = 0.0
+    x[7] = 5.0
+    assert rt.sample(x, temperature=temperature, top_k=1) == 7  # still usable
+
+
+# ---------------------------------------------------------------- session history vs native state
+
+def _session(path, **kw):
+    import kvflash
+    kw = dict(dict(max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False), **kw)
+    return kvflash.Session(path, **kw)
+
+
+def _consistent(s):
+    assert s.n_past == len(s.tokens), (s.n_past, len(s.tokens))
+    s.pager.check_invariants()
+
+
+class _RaiseAfter:
+    """A profile hook: KeyboardInterrupt right after the n-th return of the C function
+    `name` -- exactly where a Ctrl-C that arrived during the call is delivered."""
+
+    def __init__(self, name, n=1):
+        self.name, self.n = name, n
+
+    def __call__(self, frame, event, arg):
+        if event == "c_return" and getattr(arg, "__name__", "") == self.name:
+            self.n -= 1
+            if self.n == 0:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+
+def _ids(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 250, n)]
+
+
+def test_ctrl_c_after_prefill_eval_leaves_history_and_cache_agreeing(small):
+    s = _session(small)
+    s.prefill(_ids(100))
+    before = s.tokens
+    sys.setprofile(_RaiseAfter("eval"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.prefill(_ids(700, 1))
+    finally:
+        sys.setprofile(None)
+    _consistent(s)
+    assert s.tokens == before  # the interrupted prompt is not half there
+    s.prefill(_ids(700, 1))    # a retry adds it once
+    assert len(s.tokens) == 800
+    _consistent(s)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_ctrl_c_during_generate_leaves_history_and_cache_agreeing(small, n):
+    s = _session(small)
+    g = s.generate(_ids(50), max_tokens=20, ignore_eos=True)
+    sys.setprofile(_RaiseAfter("eval_sample", n))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in g:
+                pass
+    finally:
+        sys.setprofile(None)
+    _consistent(s)
+    assert len(s.tokens) == 50 + n  # the token the cache holds is in the history too
+    assert s.finish_reason == "error"
+    assert "".join(s.generate(max_tokens=5, ignore_eos=True)) is not None  # still usable
+    _consistent(s)
+
+
+def test_interrupt_between_prompt_pieces_rolls_the_eval_back(small):
+    # Ctrl-C (SIGINT) during a long prompt: the runtime stops between pieces, takes them
+    # back, and eval raises KeyboardInterrupt; nothing of the prompt stays in the cache.
+    rc, out = _run_isolated(f"""
+        import os, signal, threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=8192, pool_tokens=512, ubatch=64)
+        rt.eval(np.arange(10, dtype=np.int32))
+        prompt = (np.arange(8000) % 250).astype(np.int32)
+        def hit():
+            while rt.n_past <= 10:   # the first pieces are in
+                pass
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=hit, daemon=True).start()
+        try:
+            rt.eval(prompt)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt n_past", rt.n_past)
+        assert rt.n_past == 10, rt.n_past
+        rt.pager.check_invariants()
+        rt.eval(prompt[:100])
+        print("OK")
+    """)
+    assert rc == 0 and "KeyboardInterrupt n_past 10" in out and "OK" in out, out
+
+
+def test_failing_rescore_after_prompt_does_not_commit_it(small):
+    class Boom:
+        name = "boom"
+
+        def __init__(self):
+            self.fail = True
+
+        def score(self, view):
+            if self.fail:
+                raise RuntimeError("policy failed")
+            return np.zeros(view.n_chunks, dtype=np.float32)
+
+    pol = Boom()
+    s = _session(small, policy=pol)
+    s.prefill(_ids(64))
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1000, 2))  # outgrows the pool: the post-prompt rescore runs and fails
+    _consistent(s)
+    assert len(s.tokens) == 64
+    pol.fail = False
+    s.prefill(_ids(1000, 2))  # the retry adds the prompt once
+    assert len(s.tokens) == 1064
+    _consistent(s)
+
+
+def test_second_generate_while_one_is_open_is_refused(small):
+    s = _session(small)
+    g = s.generate(_ids(30), max_tokens=10, ignore_eos=True)
+    next(g)
+    for call in (lambda: s.generate("x", max_tokens=2), lambda: s.prefill([1, 2]), s.reset,
+                 lambda: s.generate(max_tokens=2)):
+        with pytest.raises(RuntimeError, match="in use by another thread or iterator"):
+            call()
+    _consistent(s)
+    rest = list(g)  # the open one carries on undisturbed
+    assert len(s.tokens) == 30 + 1 + len(rest) or s.finish_reason in ("eos", "stop")
+    _consistent(s)
+    g2 = s.generate(max_tokens=3, ignore_eos=True)
+    next(g2)
+    g2.close()
+    assert s.finish_reason == "closed"
+    list(s.generate(max_tokens=2, ignore_eos=True))  # closed: the session is free again
+    _consistent(s)
+
+
+def test_generate_stops_at_max_ctx_and_says_so(small):
+    s = _session(small, max_ctx=600)
+    out = list(s.generate(_ids(590), max_tokens=50, ignore_eos=True))
+    assert s.finish_reason == "max_ctx"
+    assert s.n_past == 600 and len(out) > 0
+    list(s.generate(max_tokens=0))
+    assert s.finish_reason == "length"
+    _consistent(s)
+
+
+def test_second_thread_on_one_session_is_refused(small):
+    import threading
+    s = _session(small)
+    started, refused, errs = threading.Event(), [], []
+
+    def work():
+        try:
+            started.set()
+            s.prefill(_ids(3000, 5))
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    started.wait()
+    while t.is_alive() and s.runtime.n_past == 0:  # the worker is inside prefill
+        pass
+    while t.is_alive():
+        try:
+            s.reset()
+        except RuntimeError as e:
+            assert "in use by another thread" in str(e)
+            refused.append(1)
+    t.join()
+    assert not errs and refused
+    _consistent(s)
