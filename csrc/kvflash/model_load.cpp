@@ -119,34 +119,50 @@ void check_positive(const std::string &file, const char *what, int64_t v, int64_
 
 [[maybe_unused]] std::string mib(size_t bytes) { return std::to_string((bytes + (1u << 19)) >> 20) + " MiB"; }
 
+// A positive count, checked as read (64 bits) before it is narrowed to 32.
+int32_t positive_key(const GGUFKeys &kv, const char *suffix, int64_t limit, int64_t def = 0, bool required = true) {
+    const int64_t v = kv.a(suffix, def, required);
+    check_positive(kv.file, suffix, v, limit);
+    return int32_t(v);
+}
+
+// A float key that must be finite (and > 0 when positive is set).
+float finite_key(const GGUFKeys &kv, const char *suffix, double def, bool positive) {
+    const double v = kv.f(suffix, def);
+    if (!std::isfinite(v) || (positive && !(v > 0)) || std::fabs(v) > 3.0e38)
+        throw std::invalid_argument(kv.file + ": " + kv.arch + "." + suffix + " = " + std::to_string(v) +
+                                    (positive ? " must be a finite number > 0" : " must be finite"));
+    return float(v);
+}
+
+}  // namespace
+
+float GGUFKeys::finite(const char *suffix, double def, bool positive) const { return finite_key(*this, suffix, def, positive); }
+
+namespace {
+
 // The keys every family shares; the family's read_hparams runs after.
 Hparams read_common_hparams(const GGUFKeys &kv) {
     Hparams hp;
     hp.arch = kv.arch;
-    hp.n_layer = int32_t(kv.a("block_count"));
-    hp.n_embd = int32_t(kv.a("embedding_length"));
-    hp.n_ff = int32_t(kv.a("feed_forward_length"));
-    hp.n_head = int32_t(kv.a("attention.head_count"));
-    hp.n_head_kv = int32_t(kv.a("attention.head_count_kv", hp.n_head, false));
-    check_positive(kv.file, "block_count", hp.n_layer, 4096);
-    check_positive(kv.file, "embedding_length", hp.n_embd);
-    check_positive(kv.file, "feed_forward_length", hp.n_ff);
-    check_positive(kv.file, "attention.head_count", hp.n_head, 4096);
-    check_positive(kv.file, "attention.head_count_kv", hp.n_head_kv, 4096);
+    hp.n_layer = positive_key(kv, "block_count", 4096);
+    hp.n_embd = positive_key(kv, "embedding_length", int64_t(1) << 30);
+    hp.n_ff = positive_key(kv, "feed_forward_length", int64_t(1) << 30);
+    hp.n_head = positive_key(kv, "attention.head_count", 4096);
+    hp.n_head_kv = positive_key(kv, "attention.head_count_kv", 4096, hp.n_head, false);
     if (hp.n_head % hp.n_head_kv != 0)
         throw std::invalid_argument(kv.file + ": head_count " + std::to_string(hp.n_head) +
                                     " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
     if (hp.n_embd % hp.n_head != 0 && !kv.has("attention.key_length"))
         throw std::invalid_argument(kv.file + ": embedding_length not divisible by head_count and no key_length");
-    hp.head_dim_k = int32_t(kv.a("attention.key_length", hp.n_embd / hp.n_head, false));
-    hp.head_dim_v = int32_t(kv.a("attention.value_length", hp.head_dim_k, false));
-    check_positive(kv.file, "attention.key_length", hp.head_dim_k, 1024);
-    check_positive(kv.file, "attention.value_length", hp.head_dim_v, 1024);
+    hp.head_dim_k = positive_key(kv, "attention.key_length", 1024, hp.n_embd / hp.n_head, false);
+    hp.head_dim_v = positive_key(kv, "attention.value_length", 1024, hp.head_dim_k, false);
     if (hp.head_dim_k != hp.head_dim_v)
         throw std::invalid_argument(kv.file + ": key_length != value_length is not supported");
-    hp.n_rot = int32_t(kv.a("rope.dimension_count", hp.head_dim_k, false));
+    const int64_t n_rot = kv.a("rope.dimension_count", hp.head_dim_k, false);
+    hp.n_rot = n_rot == hp.head_dim_k ? hp.head_dim_k : -1;
     if (hp.n_rot != hp.head_dim_k)
-        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(hp.n_rot) +
+        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(n_rot) +
                                     " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported");
     hp.n_ctx_train = kv.a("context_length", 4096, false);
     check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
@@ -159,11 +175,10 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     hp.rms_eps = float(kv.f("attention.layer_norm_rms_epsilon", 1e-5, true));
     if (!(hp.rms_eps > 0.f) || hp.rms_eps > 1.f)
         throw std::invalid_argument(kv.file + ": layer_norm_rms_epsilon out of range");
-    hp.rope_base = float(kv.f("rope.freq_base", 10000.0));
+    hp.rope_base = finite_key(kv, "rope.freq_base", 10000.0, true);
     const std::string scaling = kv.get_str(kv.arch + ".rope.scaling.type", "none", false);
     if (scaling == "linear") {
-        const double factor = kv.f("rope.scaling.factor", 1.0);
-        if (!(factor > 0)) throw std::invalid_argument(kv.file + ": rope.scaling.factor must be > 0");
+        const double factor = finite_key(kv, "rope.scaling.factor", 1.0, true);
         hp.rope_scale = float(1.0 / factor);
     } else if (scaling != "none" && !scaling.empty()) {
         throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear)");
