@@ -63,6 +63,7 @@ py::dict stats_dict(const Pager &p, size_t pool_bytes) {
     d["resident_bytes"] = pool_bytes;
     d["host_bytes"] = s.host_bytes;
     d["host_reserved_bytes"] = s.host_reserved_bytes;
+    d["max_host_bytes"] = p.config().max_host_bytes;
     return d;
 }
 
@@ -96,17 +97,25 @@ void bind_pager(py::module_ &m) {
 Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
 
 Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
-      layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None)
+      layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None,
+      max_host_bytes=0)
+
+host="file": host_path must not exist; the file is created, unlinked at once (nothing
+is left behind) and allocated on disk as it grows (a full disk is a RuntimeError).
+max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
+("host store full"), and nothing changes.
 )doc")
         .def(py::init([](int32_t pool_tokens, int64_t max_ctx, int32_t n_layers, int32_t n_embd_k, py::object n_embd_v,
                          const std::string &kv_type, py::object layer_ids, int32_t chunk_tokens, int32_t sink_chunks,
-                         int32_t tail_window_chunks, const std::string &host, py::object host_path) {
+                         int32_t tail_window_chunks, const std::string &host, py::object host_path,
+                         int64_t max_host_bytes) {
                  PagerConfig cfg;
                  cfg.chunk_tokens = chunk_tokens;
                  cfg.pool_tokens = pool_tokens;
                  cfg.sink_chunks = sink_chunks;
                  cfg.tail_window_chunks = tail_window_chunks;
                  cfg.max_ctx = max_ctx;
+                 cfg.max_host_bytes = max_host_bytes;
                  auto own = std::make_shared<StandalonePager>(
                      cfg, n_layers, n_embd_k, n_embd_v.is_none() ? n_embd_k : n_embd_v.cast<int32_t>(), kv_type,
                      layer_ids.is_none() ? std::vector<int32_t>() : layer_ids.cast<std::vector<int32_t>>(), host,
@@ -120,7 +129,7 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
              py::kw_only(), py::arg("pool_tokens"), py::arg("max_ctx"), py::arg("n_layers") = 1, py::arg("n_embd_k") = 64,
              py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
              py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
-             py::arg("host") = "ram", py::arg("host_path") = py::none())
+             py::arg("host") = "ram", py::arg("host_path") = py::none(), py::arg("max_host_bytes") = 0)
         .def_property_readonly("pool_tokens", [](PagerRef &s) { return s.pg().config().pool_tokens; })
         .def_property_readonly("chunk_tokens", [](PagerRef &s) { return s.pg().config().chunk_tokens; })
         .def_property_readonly("max_ctx", [](PagerRef &s) { return s.pg().config().max_ctx; })

@@ -59,7 +59,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
                          const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
                          int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries,
-                         int32_t prefill_piece, int32_t eval_layers) {
+                         int32_t prefill_piece, int32_t eval_layers, int64_t max_host_bytes) {
                  if (prefill_piece < 0) throw std::invalid_argument("prefill_piece must be >= 0 (0: chunk_tokens)");
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
@@ -76,6 +76,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.capture_queries = capture_queries;
                  c.prefill_piece = prefill_piece;
                  c.eval_layers = eval_layers;
+                 c.max_host_bytes = max_host_bytes;
                  auto r = std::make_shared<PyRuntime>();
                  r->model = model;
                  r->rt = std::make_unique<Runtime>(model, c);
@@ -96,7 +97,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
              py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
              py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
-             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0)
+             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0,
+             py::arg("max_host_bytes") = 0)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })

@@ -59,6 +59,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     pc.sink_chunks = cfg_.sink_chunks;
     pc.tail_window_chunks = cfg_.tail_window_chunks;
     pc.max_ctx = cfg_.max_ctx;
+    pc.max_host_bytes = cfg_.max_host_bytes;
     // The baseline: every position has its own slot, nothing is ever evicted.
     pc.pool_tokens = full_cache_ ? int32_t(std::max<int64_t>((cfg_.max_ctx + 255) / 256 * 256, pc.min_pool_tokens()))
                                  : cfg_.pool_tokens;

@@ -37,6 +37,7 @@ struct RuntimeConfig {
     int32_t prefill_piece = 0;        // piece once eviction starts (0: chunk_tokens), chunk-aligned
     std::string host = "ram";         // "ram" | "file" (parse_host_backing)
     std::string host_path;
+    int64_t max_host_bytes = 0;       // cap on the host store (0: none); past it eval throws HostStoreFull
     // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),
     // "ggml" (ggml_flash_attn_ext), or "auto" (pool for pieces of up to
     // pool_attn_max_tokens queries, ggml above).  Other backends (CUDA) always use

@@ -93,11 +93,15 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto"):
+                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
+                 max_host_bytes: Optional[int] = None):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or isinstance(max_host_bytes, bool)
+                                           or max_host_bytes < 1):
+            raise ValueError(f"max_host_bytes must be a positive integer (bytes) or None (no cap), got {max_host_bytes!r}")
         if not isinstance(tau, int) or tau < 1:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
@@ -134,7 +138,7 @@ class Session:
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
                                      host_path=None if host_path is None else str(host_path),
-                                     seed=0 if seed is None else int(seed),
+                                     seed=0 if seed is None else int(seed), max_host_bytes=max_host_bytes or 0,
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
                                      capture_queries=int(getattr(self.policy, "n_capture",
                                                                  getattr(self.policy, "n_queries", 1))))
@@ -553,6 +557,7 @@ class Session:
             "pool_tokens": self.runtime.pool_tokens,
             "resident_kv_mib": resident / mib,
             "host_kv_mib": p["host_bytes"] / mib,
+            "host_cap_mib": p["max_host_bytes"] / mib if p["max_host_bytes"] else None,
             "residency_pct": 100.0 * min(p["resident_chunks"], mat) / mat,
             "page_outs": p["page_outs"],
             "page_ins": p["page_ins"],
