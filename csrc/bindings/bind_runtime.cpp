@@ -149,7 +149,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  try {
                      py::gil_scoped_release nogil;
                      r.rt->eval(t.data(), n, false, r.logits.data());
-                     tok = r.sampler.sample(r.logits.data(), V, sp);
+                     tok = r.sampler.sample(r.logits.data(), r.sampled_vocab(), sp);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();
                  }
@@ -163,7 +163,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  if (!l || l.ndim() != 1 || l.shape(0) != V)
                      throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
-                 return r.sampler.sample(l.data(), V, sp);
+                 return r.sampler.sample(l.data(), r.sampled_vocab(), sp);
              }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
         .def("last_logits", [](PyRuntime &r) {
@@ -171,6 +171,14 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
              })
         .def("seed", [](PyRuntime &r, uint64_t s) { InUse use(&r.busy); r.sampler.seed(s); }, py::arg("seed"))
+        .def_property("sample_vocab", [](PyRuntime &r) { return r.sample_vocab; }, [](PyRuntime &r, int32_t n) {
+                 InUse use(&r.busy);
+                 if (n < 0 || n > r.model->hparams().n_vocab)
+                     throw std::invalid_argument("sample_vocab must be in [0, n_vocab=" +
+                                                 std::to_string(r.model->hparams().n_vocab) + "] (0: all ids)");
+                 r.sample_vocab = n;
+             }, "Sample only ids below this (0: every id): a tokenizer with fewer ids than the model's vocabulary "
+                "(padded embedding rows) can decode every id sampled.")
         .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.rt->truncate(n); }, py::arg("n_past"))
         .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.rt->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {

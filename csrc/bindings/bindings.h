@@ -56,6 +56,11 @@ struct PyRuntime {
     std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
     Sampler sampler;
     std::vector<float> logits;                   // after the last eval_sample
+    int32_t sample_vocab = 0;                    // > 0: sample among the first sample_vocab ids only
+    int32_t sampled_vocab() const {
+        const int32_t V = model->hparams().n_vocab;
+        return sample_vocab > 0 && sample_vocab < V ? sample_vocab : V;
+    }
 };
 using RuntimeClass = py::class_<PyRuntime, std::shared_ptr<PyRuntime>>;
 

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -123,6 +124,11 @@ class Session:
                              f"for; lower it, or pass allow_long_ctx=True to run past the trained context")
         self.max_ctx = max_ctx
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        if self.tokenizer.n_vocab > hp["n_vocab"]:
+            # Encoding could give ids the model has no embedding for: prefill refuses
+            # those by id; say so once here, where the file's mismatch is visible.
+            warnings.warn(f"the tokenizer has {self.tokenizer.n_vocab} tokens, the model {hp['n_vocab']}: "
+                          f"text that encodes to the extra tokens is refused by prefill", stacklevel=2)
         self.tau = tau
         self.kv_type = kv_type
         if not isinstance(reeval_tokens, int) or reeval_tokens < 1:
@@ -142,6 +148,10 @@ class Session:
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
                                      capture_queries=int(getattr(self.policy, "n_capture",
                                                                  getattr(self.policy, "n_queries", 1))))
+        if self.tokenizer.n_vocab < hp["n_vocab"]:
+            # Padded embedding rows (ids the tokenizer has no text for): never sample them,
+            # or the stream would meet an id it cannot decode.
+            self.runtime.sample_vocab = self.tokenizer.n_vocab
         self.seed = seed
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
