@@ -104,3 +104,14 @@ def test_vocabulary_beyond_int32_is_refused(tmp_path):
     """
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ValueError" in r.stdout and "2^31" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_corrupt_header_errors_say_what_is_wrong(corpus):
+    # ggml's parser reports the reason only in its log: the loader puts it in the error.
+    want = {"bad-offset-misaligned.gguf": "offset", "bad-duplicate-key.gguf": "duplicate key",
+            "bad-version-99.gguf": "version", "bad-type-unknown.gguf": "invalid ggml type",
+            "bad-tensor-name-long.gguf": "too long"}
+    for p in corpus:
+        if p.name in want:
+            with pytest.raises(ValueError, match=want[p.name]):
+                core.Model(str(p), n_threads=1)

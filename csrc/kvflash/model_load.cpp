@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -192,6 +193,44 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
 
 // ---------------------------------------------------------------- loading
 
+namespace {
+
+// ggml's log, captured while gguf_init_from_file runs: its first error line becomes
+// the exception's reason.  One load at a time captures (the logger is process-wide);
+// the previous logger is restored after.
+class GGUFLogCapture {
+public:
+    GGUFLogCapture() : lock_(mu()) {
+        ggml_log_get(&prev_, &prev_ud_);
+        ggml_log_set(&GGUFLogCapture::sink, this);
+    }
+    ~GGUFLogCapture() { ggml_log_set(prev_, prev_ud_); }
+    std::string first_error() const {
+        std::string line = text_.substr(0, text_.find('\n'));
+        const size_t colon = line.find(": ");  // "gguf_init_from_reader: ..." -> "..."
+        if (colon != std::string::npos && line.compare(0, 5, "gguf_") == 0) line = line.substr(colon + 2);
+        return line;
+    }
+
+private:
+    static std::mutex &mu() {
+        static std::mutex m;
+        return m;
+    }
+    static void sink(ggml_log_level level, const char *text, void *ud) {
+        auto *self = static_cast<GGUFLogCapture *>(ud);
+        if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_CONT) {
+            if (self->text_.size() < 4096) self->text_ += text;
+        }
+    }
+    std::lock_guard<std::mutex> lock_;
+    ggml_log_callback prev_ = nullptr;
+    void *prev_ud_ = nullptr;
+    std::string text_;
+};
+
+}  // namespace
+
 std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device) {
     // The device first: a bad device string fails before any file work.
     const Device dev = parse_device(device);
@@ -223,8 +262,14 @@ void Model::read_header(const std::string &path) {
         if (got != 4 || std::memcmp(magic, "GGUF", 4) != 0) throw std::invalid_argument(path + ": not a GGUF file");
     }
     gguf_init_params gp{true, &meta_};
-    gguf_ = gguf_init_from_file(path.c_str(), gp);
-    if (!gguf_) throw std::invalid_argument(path + ": corrupt or truncated GGUF header");
+    std::string why;
+    {
+        GGUFLogCapture capture;  // ggml's parser says what is wrong only in its log
+        gguf_ = gguf_init_from_file(path.c_str(), gp);
+        why = capture.first_error();
+    }
+    if (!gguf_)
+        throw std::invalid_argument(path + ": corrupt or truncated GGUF header" + (why.empty() ? "" : ": " + why));
     map_bytes_ = size_t(st.st_size);
 
     // Every tensor's bytes must lie inside the file (the sums checked for wrapping).
