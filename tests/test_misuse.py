@@ -371,3 +371,44 @@ def test_second_thread_on_one_session_is_refused(small):
     t.join()
     assert not errs and refused
     _consistent(s)
+
+
+def test_failure_in_a_later_prompt_piece_takes_the_prompt_back(small):
+    # The first pieces fit; a later one needs a page-out past max_host_bytes.  The
+    # runtime truncates the evaluated pieces away again, and the session's history
+    # matches: a retry (after the cap is lifted) adds the prompt once.
+    m = core.Model(small, n_threads=1)
+    probe = core.Runtime(m, max_ctx=4096, pool_tokens=512)
+    cap = 16 * probe.pager.chunk_bytes
+    rt = core.Runtime(m, max_ctx=4096, pool_tokens=512, max_host_bytes=cap)
+    rt.eval(np.arange(10, dtype=np.int32))
+    with pytest.raises(RuntimeError, match="host store full"):
+        rt.eval((np.arange(1800) % 250).astype(np.int32))
+    assert rt.n_past == 10
+    rt.pager.check_invariants()
+    assert rt.pager.stats["host_bytes"] == 0  # the pieces' page-outs went with them
+    rt.eval((np.arange(900) % 250).astype(np.int32))  # fits under the cap
+    assert rt.n_past == 910
+
+    s = _session(small, max_host_bytes=cap)
+    s.prefill(_ids(10))
+    with pytest.raises(RuntimeError, match="host store full"):
+        s.prefill(_ids(1800, 7))
+    _consistent(s)
+    assert len(s.tokens) == 10
+
+
+def test_session_truncate_keeps_history_and_cache_together(small):
+    s = _session(small)
+    s.prefill(_ids(1500))
+    list(s.generate(max_tokens=10, ignore_eos=True))
+    s.truncate(1000)
+    _consistent(s)
+    assert len(s.tokens) == 1000 and s.tokens == _ids(1500)[:1000]
+    list(s.generate(max_tokens=5, ignore_eos=True))
+    assert len(s.tokens) == 1005
+    for bad in (-1, 2000, 1.5):
+        with pytest.raises(ValueError):
+            s.truncate(bad)
+    s.truncate(0)
+    assert s.n_past == 0 and s.tokens == []

@@ -534,6 +534,28 @@ class Session:
             self.prefill(ids[max(common, 0):])
             return self.generate(None, **kw)
 
+    def truncate(self, n_tokens: int) -> None:
+        """Rewind the context to its first n_tokens (0: reset); the last kept token is read
+        again so generate() continues from fresh logits.  ValueError when gemma3's
+        sliding-window ring no longer reaches that far back (reset and prefill instead)."""
+        with self._using("truncate"):
+            if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= len(self._tokens):
+                raise ValueError(f"truncate: n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
+            if n_tokens == 0:
+                self._reset()
+                return
+            if n_tokens == len(self._tokens):
+                return
+            last = self._tokens[n_tokens - 1]
+            self.runtime.truncate(n_tokens - 1)  # ValueError (ring) before anything changed
+            del self._tokens[n_tokens - 1:]
+            try:
+                self._last_logits = self.runtime.eval(np.asarray([last], dtype=np.int32))
+                self._tokens.append(last)
+            except BaseException:
+                self._last_logits = None  # the context holds n_tokens - 1 tokens; prefill continues it
+                raise
+
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
         return self.tokenizer.token_text(bos) if bos is not None else "\0"
