@@ -412,3 +412,52 @@ def test_session_truncate_keeps_history_and_cache_together(small):
             s.truncate(bad)
     s.truncate(0)
     assert s.n_past == 0 and s.tokens == []
+
+
+def test_c_api_session_refuses_an_overlapping_call(small):
+    # ctypes releases the GIL around a C call: a guarded call (kvflash_set_seed here; a
+    # kvflash_reset would free what the eval computes on) from the main thread while
+    # another thread's kvflash_eval runs returns KVFLASH_EBUSY (-4) and does nothing.
+    from kvflash import capi
+    rc, out = _run_isolated(f"""
+        import ctypes, threading
+        import numpy as np
+        lib = ctypes.CDLL({str(capi.library_path())!r})
+        class Params(ctypes.Structure):
+            _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
+                        ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
+                        ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
+                        ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
+                        ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
+                        ("qk_layers", ctypes.c_int32)]
+        lib.kvflash_default_params.restype = Params
+        lib.kvflash_model_load.restype = ctypes.c_void_p
+        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_session_new.restype = ctypes.c_void_p
+        lib.kvflash_session_new.argtypes = [ctypes.c_void_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+        lib.kvflash_set_seed.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        lib.kvflash_n_past.restype = ctypes.c_int64
+        lib.kvflash_n_past.argtypes = [ctypes.c_void_p]
+        err = ctypes.create_string_buffer(512)
+        m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
+        p = lib.kvflash_default_params()
+        p.max_ctx, p.pool_tokens, p.ubatch = 4096, 512, 64
+        s = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert m and s, err.value
+        toks = (np.arange(3000) % 250).astype(np.int32)
+        got = []
+        t = threading.Thread(target=lambda: got.append(lib.kvflash_eval(s, toks.ctypes.data, 3000, None)))
+        t.start()
+        codes = {{}}
+        while t.is_alive() and lib.kvflash_n_past(s) == 0:  # the eval is under way
+            pass
+        while t.is_alive():
+            rc = lib.kvflash_set_seed(s, 1)
+            codes[rc] = codes.get(rc, 0) + 1
+        t.join()
+        print("codes", codes, "eval", got, "n_past", lib.kvflash_n_past(s))
+        assert got == [0] and codes.get(-4, 0) > 0 and lib.kvflash_n_past(s) == 3000
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out

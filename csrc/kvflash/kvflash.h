@@ -20,8 +20,9 @@
  * Threads: a model and every session over it share one ggml backend (its worker
  * threads and scratch buffer); the core serializes their graph computes with a
  * lock per model, so different sessions, over one model or not, may be used from
- * different threads at once.  One session must not be used by two threads at
- * once (serialize calls on it yourself).  kvflash_default_params,
+ * different threads at once.  One session serves one call at a time: a call
+ * that overlaps another on the same session returns KVFLASH_EBUSY and does
+ * nothing (serialize calls on a session yourself).  kvflash_default_params,
  * kvflash_default_sampling and kvflash_version are safe from any thread.
  *
  * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct
@@ -43,7 +44,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 3
+#define KVFLASH_API_VERSION 4
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -53,6 +54,7 @@ enum kvflash_status {
     KVFLASH_EINVAL = -1,   /* bad argument (the message says which) */
     KVFLASH_ERANGE = -2,   /* position / token / chunk outside the allowed range */
     KVFLASH_ERUNTIME = -3, /* the backend failed (allocation, compute, I/O) */
+    KVFLASH_EBUSY = -4,    /* since API version 4: another thread is in a call on this session; nothing done */
 };
 
 struct kvflash_params {
