@@ -414,7 +414,7 @@ def test_session_truncate_keeps_history_and_cache_together(small):
     assert s.n_past == 0 and s.tokens == []
 
 
-def test_c_api_session_refuses_an_overlapping_call(small):
+def test_c_api_session_refuses_an_overlapping_call_and_caps_its_host_store(small):
     # ctypes releases the GIL around a C call: a guarded call (kvflash_set_seed here; a
     # kvflash_reset would free what the eval computes on) from the main thread while
     # another thread's kvflash_eval runs returns KVFLASH_EBUSY (-4) and does nothing.
@@ -423,13 +423,7 @@ def test_c_api_session_refuses_an_overlapping_call(small):
         import ctypes, threading
         import numpy as np
         lib = ctypes.CDLL({str(capi.library_path())!r})
-        class Params(ctypes.Structure):
-            _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
-                        ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
-                        ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
-                        ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
-                        ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
-                        ("qk_layers", ctypes.c_int32)]
+        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
         lib.kvflash_default_params.restype = Params
         lib.kvflash_model_load.restype = ctypes.c_void_p
         lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
@@ -458,6 +452,18 @@ def test_c_api_session_refuses_an_overlapping_call(small):
         t.join()
         print("codes", codes, "eval", got, "n_past", lib.kvflash_n_past(s))
         assert got == [0] and codes.get(-4, 0) > 0 and lib.kvflash_n_past(s) == 3000
+        # API version 4: max_host_bytes; past it a call fails with ERUNTIME and changes nothing
+        lib.kvflash_last_error.restype = ctypes.c_char_p
+        lib.kvflash_last_error.argtypes = [ctypes.c_void_p]
+        p.max_host_bytes = 1 << 18  # 15 chunks of this model: the 3000-token prompt needs ~39 page-outs
+        capped = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert capped, err.value
+        assert lib.kvflash_eval(capped, toks.ctypes.data, 10, None) == 0
+        rc = lib.kvflash_eval(capped, toks.ctypes.data, 3000, None)
+        print("capped eval", rc, lib.kvflash_last_error(capped))
+        assert rc == -3 and b"host store full" in lib.kvflash_last_error(capped) and lib.kvflash_n_past(capped) == 10
+        p.max_host_bytes = -1
+        assert not lib.kvflash_session_new(m, ctypes.byref(p), err, 512) and b"max_host_bytes" in err.value
         print("OK")
     """)
     assert rc == 0 and "OK" in out, out

@@ -76,6 +76,10 @@ struct kvflash_params {
     int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (32; 0: off) */
     int32_t qk_spread;          /* each token takes the peak of this many tokens either side (4) */
     int32_t qk_layers;          /* the first N paged layers score (-1: a quarter, at least 8; 0: all) */
+    /* -- since API version 4 -- */
+    int64_t max_host_bytes;     /* cap on the host store of paged-out chunks (0: none); a call that would
+                                   page out past it returns KVFLASH_ERUNTIME ("host store full") and
+                                   leaves the session as it was */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

@@ -210,6 +210,10 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         c.sink_chunks = p.sink_chunks;
         c.tail_window_chunks = p.tail_window_chunks;
         c.ubatch = p.ubatch;
+        if (p.max_host_bytes < 0)
+            throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +
+                                        std::to_string(p.max_host_bytes));
+        c.max_host_bytes = p.max_host_bytes;
         c.capture_queries = policy == "qk" ? p.qk_queries + p.qk_contrast : 1;
         auto s = std::make_unique<kvflash_session>();
         s->m = model->m;
