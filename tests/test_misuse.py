@@ -467,3 +467,27 @@ def test_c_api_session_refuses_an_overlapping_call_and_caps_its_host_store(small
         print("OK")
     """)
     assert rc == 0 and "OK" in out, out
+
+
+def test_rewind_past_the_sliding_window_ring_resets_the_session(tmp_path):
+    # gemma3's sliding-window ring cannot rewind a long prompt: a prefill that fails
+    # after it was evaluated leaves the session reset (history and cache both empty),
+    # never half there.
+    from tinygguf import write_tiny_model
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_model(path, "gemma3", n_layer=6, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, seed=5)
+
+    class Boom:
+        name = "boom"
+
+        def score(self, view):
+            raise RuntimeError("policy failed")
+
+    s = _session(str(path), policy=Boom())
+    s.prefill(_ids(20))
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1500, 3))
+    assert s.n_past == len(s.tokens) == 0
+    s.pager.check_invariants()
+    s.prefill(_ids(100))  # usable again
+    _consistent(s)
