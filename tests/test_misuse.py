@@ -491,3 +491,11 @@ def test_rewind_past_the_sliding_window_ring_resets_the_session(tmp_path):
     s.pager.check_invariants()
     s.prefill(_ids(100))  # usable again
     _consistent(s)
+
+
+def test_cli_says_when_the_context_is_full(small, capsys):
+    from kvflash import cli
+    assert cli.main(["generate", "-m", small, "--max-ctx", "64", "--kvflash", "off", "--kvflash-policy", "lru",
+                     "-t", "1", "-n", "200", "hello there"]) == 0
+    err = capsys.readouterr().err
+    assert "the context is full (max_ctx 64" in err, err
