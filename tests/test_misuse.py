@@ -208,19 +208,26 @@ def _consistent(s):
     s.pager.check_invariants()
 
 
-class _RaiseAfter:
-    """A profile hook: KeyboardInterrupt right after the n-th return of the C function
-    `name` -- exactly where a Ctrl-C that arrived during the call is delivered."""
+class _InterruptAfter:
+    """The session's runtime, with KeyboardInterrupt raised right after the n-th return of
+    one of its methods: exactly where a Ctrl-C that arrived during that call (the GIL
+    released) is delivered."""
 
-    def __init__(self, name, n=1):
-        self.name, self.n = name, n
+    def __init__(self, rt, name, n=1):
+        self._rt, self._name, self._n = rt, name, n
 
-    def __call__(self, frame, event, arg):
-        if event == "c_return" and getattr(arg, "__name__", "") == self.name:
-            self.n -= 1
-            if self.n == 0:
-                sys.setprofile(None)
+    def __getattr__(self, attr):
+        value = getattr(self._rt, attr)
+        if attr != self._name:
+            return value
+
+        def call(*args, **kwargs):
+            out = value(*args, **kwargs)
+            self._n -= 1
+            if self._n == 0:
                 raise KeyboardInterrupt
+            return out
+        return call
 
 
 def _ids(n, seed=0):
@@ -231,12 +238,11 @@ def test_ctrl_c_after_prefill_eval_leaves_history_and_cache_agreeing(small):
     s = _session(small)
     s.prefill(_ids(100))
     before = s.tokens
-    sys.setprofile(_RaiseAfter("eval"))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            s.prefill(_ids(700, 1))
-    finally:
-        sys.setprofile(None)
+    rt = s.runtime
+    s.runtime = _InterruptAfter(rt, "eval")
+    with pytest.raises(KeyboardInterrupt):
+        s.prefill(_ids(700, 1))
+    s.runtime = rt
     _consistent(s)
     assert s.tokens == before  # the interrupted prompt is not half there
     s.prefill(_ids(700, 1))    # a retry adds it once
@@ -248,13 +254,12 @@ def test_ctrl_c_after_prefill_eval_leaves_history_and_cache_agreeing(small):
 def test_ctrl_c_during_generate_leaves_history_and_cache_agreeing(small, n):
     s = _session(small)
     g = s.generate(_ids(50), max_tokens=20, ignore_eos=True)
-    sys.setprofile(_RaiseAfter("eval_sample", n))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            for _ in g:
-                pass
-    finally:
-        sys.setprofile(None)
+    rt = s.runtime
+    s.runtime = _InterruptAfter(rt, "eval_sample", n)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in g:
+            pass
+    s.runtime = rt
     _consistent(s)
     assert len(s.tokens) == 50 + n  # the token the cache holds is in the history too
     assert s.finish_reason == "error"
