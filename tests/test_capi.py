@@ -252,13 +252,13 @@ def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
 
 
 class Params(ctypes.Structure):
-    """struct kvflash_params as kvflash.h declares it (API version 3)."""
+    """struct kvflash_params as kvflash.h declares it (API version 4)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
                 ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
                 ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
                 ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
-                ("qk_layers", ctypes.c_int32)]
+                ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64)]
 
 
 def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):

@@ -61,6 +61,9 @@ class HostModel:
         self.free = list(range(self.cap - 1, -1, -1))
         self.in_use = 0
 
+    def release_memory(self):  # Pager::reset: the regions go back to the OS
+        self.cap, self.free, self.in_use, self.next_region = 0, [], 0, 16
+
 
 class Model:
     def __init__(self, n_blocks, n_chunks, sinks, tail, chunk_bytes):
@@ -80,7 +83,7 @@ class Model:
         self.score = [INF] * nc
         self.chunk_of = [-1] * self.nb
         self.free = list(range(self.nb - 1, -1, -1))
-        self.host.clear()
+        self.host.release_memory()
         self.has_scores = False
         self.head = -1
         self.tick = 0
@@ -265,6 +268,7 @@ class Model:
         s["free_blocks"] = len(self.free)
         s["host_bytes"] = self.host.in_use * self.cb
         s["host_reserved_bytes"] = self.host.cap * ((self.cb + HOST_ALIGN - 1) // HOST_ALIGN * HOST_ALIGN)
+        s["max_host_bytes"] = 0
         return s
 
 

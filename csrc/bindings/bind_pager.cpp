@@ -63,6 +63,7 @@ py::dict stats_dict(const Pager &p, size_t pool_bytes) {
     d["resident_bytes"] = pool_bytes;
     d["host_bytes"] = s.host_bytes;
     d["host_reserved_bytes"] = s.host_reserved_bytes;
+    d["max_host_bytes"] = p.config().max_host_bytes;
     return d;
 }
 
@@ -79,6 +80,7 @@ py::array_t<float> as_scores(const Pager &p, py::object scores) {
 // A writable uint8 view [pool_tokens, row_bytes] of one layer's K (or V) rows; keeps self alive.
 py::array_t<uint8_t> pool_rows(py::object self, int32_t layer, bool v) {
     PagerRef &s = self.cast<PagerRef &>();
+    InUse use(s.busy);
     if (layer < 0 || layer >= s.pool->n_layers())
         throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
     if (!s.pool->host_accessible()) throw std::invalid_argument("the pool is not in host memory");
@@ -95,17 +97,25 @@ void bind_pager(py::module_ &m) {
 Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
 
 Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
-      layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None)
+      layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None,
+      max_host_bytes=0)
+
+host="file": host_path must not exist; the file is created, unlinked at once (nothing
+is left behind) and allocated on disk as it grows (a full disk is a RuntimeError).
+max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
+("host store full"), and nothing changes.
 )doc")
         .def(py::init([](int32_t pool_tokens, int64_t max_ctx, int32_t n_layers, int32_t n_embd_k, py::object n_embd_v,
                          const std::string &kv_type, py::object layer_ids, int32_t chunk_tokens, int32_t sink_chunks,
-                         int32_t tail_window_chunks, const std::string &host, py::object host_path) {
+                         int32_t tail_window_chunks, const std::string &host, py::object host_path,
+                         int64_t max_host_bytes) {
                  PagerConfig cfg;
                  cfg.chunk_tokens = chunk_tokens;
                  cfg.pool_tokens = pool_tokens;
                  cfg.sink_chunks = sink_chunks;
                  cfg.tail_window_chunks = tail_window_chunks;
                  cfg.max_ctx = max_ctx;
+                 cfg.max_host_bytes = max_host_bytes;
                  auto own = std::make_shared<StandalonePager>(
                      cfg, n_layers, n_embd_k, n_embd_v.is_none() ? n_embd_k : n_embd_v.cast<int32_t>(), kv_type,
                      layer_ids.is_none() ? std::vector<int32_t>() : layer_ids.cast<std::vector<int32_t>>(), host,
@@ -119,7 +129,7 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
              py::kw_only(), py::arg("pool_tokens"), py::arg("max_ctx"), py::arg("n_layers") = 1, py::arg("n_embd_k") = 64,
              py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
              py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
-             py::arg("host") = "ram", py::arg("host_path") = py::none())
+             py::arg("host") = "ram", py::arg("host_path") = py::none(), py::arg("max_host_bytes") = 0)
         .def_property_readonly("pool_tokens", [](PagerRef &s) { return s.pg().config().pool_tokens; })
         .def_property_readonly("chunk_tokens", [](PagerRef &s) { return s.pg().config().chunk_tokens; })
         .def_property_readonly("max_ctx", [](PagerRef &s) { return s.pg().config().max_ctx; })
@@ -132,8 +142,9 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
         .def_property_readonly("pool_bytes", [](PagerRef &s) { return s.pool->bytes(); })
         .def_property_readonly("head_chunk", [](PagerRef &s) { return s.pg().head_chunk(); })
         .def_property_readonly("epoch", [](PagerRef &s) { return s.pg().epoch(); })
-        .def_property_readonly("stats", [](PagerRef &s) { return stats_dict(s.pg(), s.pool->bytes()); })
+        .def_property_readonly("stats", [](PagerRef &s) { InUse use(s.busy); return stats_dict(s.pg(), s.pool->bytes()); })
         .def("alloc_span", [](PagerRef &s, int64_t pos0, int64_t n) -> py::object {
+                 InUse use(s.busy);
                  if (n <= 0) throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
                  check_span(pos0, n, s.pg().config().max_ctx, "alloc_span");
                  py::array_t<int32_t> out(n);
@@ -142,30 +153,35 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
              }, py::arg("pos0"), py::arg("n"),
              "Slots for positions [pos0, pos0+n) (int32 array), evicting/recalling as needed; None if no room.")
         .def("slot_for", [](PagerRef &s, int64_t pos) -> py::object {
+                 InUse use(s.busy);
                  check_span(pos, 1, s.pg().config().max_ctx, "slot_for");
                  int32_t slot = -1;
                  if (s.pg().alloc_span(pos, 1, &slot) == AllocResult::NO_ROOM) return py::none();
                  return py::int_(slot);
              }, py::arg("pos"))
-        .def("slot_of", [](PagerRef &s, int64_t pos) { return s.pg().slot_of(pos); }, py::arg("pos"),
+        .def("slot_of", [](PagerRef &s, int64_t pos) { InUse use(s.busy); return s.pg().slot_of(pos); }, py::arg("pos"),
              "Slot of a written, resident position, or -1.")
-        .def("evict", [](PagerRef &s, int64_t c) { check_chunk(s.pg(), c); s.pg().evict(int32_t(c)); }, py::arg("chunk"))
+        .def("evict", [](PagerRef &s, int64_t c) { InUse use(s.busy); check_chunk(s.pg(), c); s.pg().evict(int32_t(c)); }, py::arg("chunk"))
         .def("recall", [](PagerRef &s, int64_t c) {
+                 InUse use(s.busy);
                  check_chunk(s.pg(), c);
                  return s.pg().recall(int32_t(c)) == AllocResult::OK;
              }, py::arg("chunk"), "Bring a paged-out chunk back; False if no block can be freed.")
         .def("set_scores", [](PagerRef &s, py::object scores) {
+                 InUse use(s.busy);
                  auto a = as_scores(s.pg(), scores);
                  s.pg().set_scores(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"))
-        .def("clear_scores", [](PagerRef &s) { s.pg().clear_scores(); })
+        .def("clear_scores", [](PagerRef &s) { InUse use(s.busy); s.pg().clear_scores(); })
         .def("reselect", [](PagerRef &s, py::object scores) {
+                 InUse use(s.busy);
                  auto a = as_scores(s.pg(), scores);
                  return s.pg().reselect(a.data(), int32_t(a.shape(0)));
              }, py::arg("scores"), "Repage to the top-scoring chunks; returns chunks moved.")
-        .def("truncate", [](PagerRef &s, int64_t n_past) { s.pg().truncate(n_past); }, py::arg("n_past"))
-        .def("reset", [](PagerRef &s) { s.pg().reset(); })
+        .def("truncate", [](PagerRef &s, int64_t n_past) { InUse use(s.busy); s.pg().truncate(n_past); }, py::arg("n_past"))
+        .def("reset", [](PagerRef &s) { InUse use(s.busy); s.pg().reset(); })
         .def("mask", [](PagerRef &s, py::object q_positions, py::object n_kv, int32_t window) {
+                 InUse use(s.busy);
                  auto q = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(q_positions);
                  if (!q || q.ndim() != 1) throw std::invalid_argument("q_positions must be a 1-D array of positions");
                  for (py::ssize_t i = 0; i < q.shape(0); ++i)
@@ -180,10 +196,12 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
              }, py::arg("q_positions"), py::arg("n_kv") = py::none(), py::arg("window") = 0,
              "F16 mask [n_q, n_kv]: 0 where the slot holds a visible position, -inf elsewhere.")
         .def("slot_positions", [](PagerRef &s) {
+                 InUse use(s.busy);
                  const auto &v = s.pg().slot_positions();
                  return py::array_t<int64_t>(py::ssize_t(v.size()), v.data());
              })
         .def("chunk_table", [](PagerRef &s) {
+                 InUse use(s.busy);
                  Pager &p = s.pg();
                  const int32_t n = p.n_chunks();
                  py::array_t<int32_t> block(n), host(n);
@@ -200,15 +218,17 @@ Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_t
                  return d;
              }, "Per-chunk arrays: block (-1 not resident), host (-1 none), dirty, protected, materialised.")
         .def("scores", [](PagerRef &s) -> py::object {
+                 InUse use(s.busy);
                  if (!s.pg().has_scores()) return py::none();
                  const auto &v = s.pg().scores();
                  return py::array_t<float>(py::ssize_t(v.size()), v.data());
              })
         .def("check_invariants", [](PagerRef &s) {
+                 InUse use(s.busy);
                  try { s.pg().check_invariants(); }
                  catch (const std::logic_error &e) { throw py::value_error(e.what()); }
              }, "Raise ValueError describing the first broken invariant.")
-        .def("dump", [](PagerRef &s) { return s.pg().dump(); })
+        .def("dump", [](PagerRef &s) { InUse use(s.busy); return s.pg().dump(); })
         .def("k_rows", [](py::object self, int32_t layer) { return pool_rows(self, layer, false); }, py::arg("layer"),
              "Writable uint8 view [pool_tokens, row_bytes] of layer's K rows.")
         .def("v_rows", [](py::object self, int32_t layer) { return pool_rows(self, layer, true); }, py::arg("layer"),

@@ -59,7 +59,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                          int32_t chunk_tokens, int32_t sink_chunks, int32_t tail_window_chunks, int32_t ubatch,
                          const std::string &host, py::object host_path, uint64_t seed, const std::string &attn,
                          int32_t pool_attn_max_tokens, int32_t capture_queries, bool chunk_summaries,
-                         int32_t prefill_piece, int32_t eval_layers) {
+                         int32_t prefill_piece, int32_t eval_layers, int64_t max_host_bytes) {
                  if (prefill_piece < 0) throw std::invalid_argument("prefill_piece must be >= 0 (0: chunk_tokens)");
                  if (capture_queries < 0 || capture_queries > 4096)
                      throw std::invalid_argument("capture_queries must be in [0, 4096]");
@@ -76,6 +76,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.capture_queries = capture_queries;
                  c.prefill_piece = prefill_piece;
                  c.eval_layers = eval_layers;
+                 c.max_host_bytes = max_host_bytes;
                  auto r = std::make_shared<PyRuntime>();
                  r->model = model;
                  r->rt = std::make_unique<Runtime>(model, c);
@@ -84,13 +85,20 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      r->rt->set_observer(r->summaries);
                  }
                  r->sampler.seed(seed);
+                 // Ctrl-C between the pieces of a long prompt: the runtime takes the evaluated
+                 // pieces back and eval raises KeyboardInterrupt (PyErr_CheckSignals set it).
+                 r->rt->set_interrupt([] {
+                     py::gil_scoped_acquire gil;
+                     return PyErr_CheckSignals() != 0;
+                 });
                  return r;
              }), py::arg("model"), py::kw_only(), py::arg("max_ctx"), py::arg("pool_tokens") = 0,
              py::arg("kv_type") = "q8_0", py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1,
              py::arg("tail_window_chunks") = 4, py::arg("ubatch") = 512, py::arg("host") = "ram",
              py::arg("host_path") = py::none(), py::arg("seed") = 0, py::arg("attn") = "auto",
              py::arg("pool_attn_max_tokens") = 1 << 30, py::arg("capture_queries") = 1,
-             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0)
+             py::arg("chunk_summaries") = false, py::arg("prefill_piece") = 0, py::arg("eval_layers") = 0,
+             py::arg("max_host_bytes") = 0)
         .def_property_readonly("n_past", [](PyRuntime &r) { return r.rt->n_past(); })
         .def_property_readonly("max_ctx", [](PyRuntime &r) { return r.rt->config().max_ctx; })
         .def_property_readonly("full_cache", [](PyRuntime &r) { return r.rt->full_cache(); })
@@ -106,18 +114,22 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
             ref.owner = r;
             ref.p = &r->rt->pager();
             ref.pool = &r->rt->pool();
+            ref.busy = &r->busy;
             return ref;
         })
         .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits) {
-                 auto t = token_ids(tokens);
-                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(tokens);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval: too many tokens in one call");
+                 const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
                  py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(n), py::ssize_t(V)})
                                                      : py::array_t<float>(py::ssize_t(V));
                  float *o = out.mutable_data();
-                 const int32_t *tp = t.data();
-                 {
+                 try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(tp, n, all_logits, o);
+                     r.rt->eval(t.data(), n, all_logits, o);
+                 } catch (const EvalInterrupted &) {
+                     throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
                  return out;
              }, py::arg("tokens"), py::arg("all_logits") = false,
@@ -127,35 +139,48 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      throw std::invalid_argument("eval_sample: this runtime evaluates only its first " +
                                                  std::to_string(r.rt->config().eval_layers) +
                                                  " layers (a scoring runtime) and has no logits to sample");
-                 auto t = token_ids(tokens);
-                 const int32_t n = int32_t(t.shape(0)), V = r.model->hparams().n_vocab;
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(tokens);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval_sample: too many tokens in one call");
+                 const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
                  r.logits.resize(V);
-                 const int32_t *tp = t.data();
                  int32_t tok;
-                 {
+                 try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(tp, n, false, r.logits.data());
-                     tok = r.sampler.sample(r.logits.data(), V, sp);
+                     r.rt->eval(t.data(), n, false, r.logits.data());
+                     tok = r.sampler.sample(r.logits.data(), r.sampled_vocab(), sp);
+                 } catch (const EvalInterrupted &) {
+                     throw py::error_already_set();
                  }
                  return tok;
              }, py::arg("tokens"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Append tokens and sample the next token id from the last logits.")
         .def("sample", [](PyRuntime &r, py::array logits, float temperature, int32_t top_k, float top_p, float min_p) {
+                 InUse use(&r.busy);
                  auto l = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(logits);
                  const int32_t V = r.model->hparams().n_vocab;
                  if (!l || l.ndim() != 1 || l.shape(0) != V)
                      throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
-                 return r.sampler.sample(l.data(), V, sp);
+                 return r.sampler.sample(l.data(), r.sampled_vocab(), sp);
              }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
         .def("last_logits", [](PyRuntime &r) {
+                 InUse use(&r.busy);
                  return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
              })
-        .def("seed", [](PyRuntime &r, uint64_t s) { r.sampler.seed(s); }, py::arg("seed"))
-        .def("truncate", [](PyRuntime &r, int64_t n) { r.rt->truncate(n); }, py::arg("n_past"))
-        .def("reset", [](PyRuntime &r) { r.rt->reset(); })
+        .def("seed", [](PyRuntime &r, uint64_t s) { InUse use(&r.busy); r.sampler.seed(s); }, py::arg("seed"))
+        .def_property("sample_vocab", [](PyRuntime &r) { return r.sample_vocab; }, [](PyRuntime &r, int32_t n) {
+                 InUse use(&r.busy);
+                 if (n < 0 || n > r.model->hparams().n_vocab)
+                     throw std::invalid_argument("sample_vocab must be in [0, n_vocab=" +
+                                                 std::to_string(r.model->hparams().n_vocab) + "] (0: all ids)");
+                 r.sample_vocab = n;
+             }, "Sample only ids below this (0: every id): a tokenizer with fewer ids than the model's vocabulary "
+                "(padded embedding rows) can decode every id sampled.")
+        .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.rt->truncate(n); }, py::arg("n_past"))
+        .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.rt->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();
             py::dict d;

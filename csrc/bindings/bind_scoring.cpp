@@ -9,6 +9,7 @@ namespace kvflash::bindings {
 void bind_scoring(RuntimeClass &cls) {
     cls
         .def("chunk_keys", [](PyRuntime &r, int32_t c, int32_t layer) {
+                 InUse use(&r.busy);
                  if (c < 0 || c >= r.rt->pager().n_chunks()) throw std::out_of_range("chunk out of range");
                  const int32_t C = r.rt->config().chunk_tokens, E = r.model->hparams().n_embd_k();
                  py::array_t<float> out({py::ssize_t(C), py::ssize_t(E)});
@@ -17,6 +18,7 @@ void bind_scoring(RuntimeClass &cls) {
              }, py::arg("chunk"), py::arg("paged_layer"),
              "Post-RoPE keys of a resident chunk for one paged layer, f32 [chunk_tokens, n_embd_k].")
         .def("qk_scores", [](PyRuntime &r, const std::string &mode) {
+                 InUse use(&r.busy);
                  QKMode m;
                  if (mode == "mean") m = QKMode::MEAN;
                  else if (mode == "bound") m = QKMode::BOUND;
@@ -30,6 +32,7 @@ void bind_scoring(RuntimeClass &cls) {
              }, py::arg("mode") = "bound",
              "Per-chunk scores of the sealed chunks' key summaries against the last query (needs chunk_summaries=True).")
         .def("attention_scores", [](PyRuntime &r) {
+                 InUse use(&r.busy);
                  py::array_t<float> out(py::ssize_t(r.rt->n_past()));
                  {
                      py::gil_scoped_release nogil;
@@ -39,6 +42,7 @@ void bind_scoring(RuntimeClass &cls) {
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
         .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj,
                                      int32_t q_first, int32_t q_count, int32_t n_layers) {
+                 InUse use(&r.busy);
                  const int64_t C = r.rt->config().chunk_tokens;
                  int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
                  py::array_t<int32_t, py::array::c_style | py::array::forcecast> groups;
@@ -71,6 +75,7 @@ void bind_scoring(RuntimeClass &cls) {
                                "Layers whose K/V the pool holds (gemma3: its global layers only).")
         .def("qk_peak_scores", [](PyRuntime &r, int32_t n_chunks, int32_t n_queries, int32_t contrast, int32_t spread,
                                   int32_t n_layers, int32_t n_threads, int32_t carry) {
+                 InUse use(&r.busy);
                  if (r.rt->n_captured() == 0) throw std::invalid_argument("qk_peak_scores: no query captured yet");
                  const PeakScoring p{n_queries, contrast, spread, n_layers, carry};
                  py::array_t<float> out(static_cast<py::ssize_t>(std::max(n_chunks, 0)));
@@ -88,6 +93,7 @@ void bind_scoring(RuntimeClass &cls) {
         .def_property_readonly("n_captured", [](PyRuntime &r) { return r.rt->n_captured(); },
                                "How many queries are captured now (the last ones evaluated, up to capture_queries).")
         .def("captured_queries", [](PyRuntime &r) {
+                 InUse use(&r.busy);
                  const Hparams &h = r.model->hparams();
                  const int32_t nc = r.rt->n_captured();
                  const auto &q = r.rt->captured_queries();

@@ -8,8 +8,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,13 +25,42 @@ namespace kvflash::bindings {
 
 namespace py = pybind11;
 
+// One caller at a time per runtime: the bindings release the GIL around compute, so
+// a second thread (or a generator of the same session resumed from another) could
+// otherwise free a graph or move pages under a running eval.  Every method that reads
+// or writes the runtime's state holds an InUse for its length; a second one raises
+// RuntimeError instead of waiting (waiting would hide the bug, and could deadlock on
+// the GIL).  Different runtimes, even over one model, run concurrently: their graph
+// computes are serialized by the model's compute lock (model.h).
+class InUse {
+public:
+    explicit InUse(std::atomic<bool> *flag) : flag_(flag) {
+        if (flag_ && flag_->exchange(true))
+            throw std::runtime_error("this kvflash Runtime is in use by another thread or iterator: a Session (and "
+                                     "its Runtime and Pager) serves one caller at a time; give each thread its own "
+                                     "Session, and finish or close() an open generate() before starting another");
+    }
+    ~InUse() { if (flag_) flag_->store(false); }
+    InUse(const InUse &) = delete;
+    InUse &operator=(const InUse &) = delete;
+
+private:
+    std::atomic<bool> *flag_;
+};
+
 // A Model and one Runtime over it (a session's native state).
 struct PyRuntime {
+    std::atomic<bool> busy{false};               // InUse
     std::shared_ptr<Model> model;
     std::unique_ptr<Runtime> rt;
     std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
     Sampler sampler;
     std::vector<float> logits;                   // after the last eval_sample
+    int32_t sample_vocab = 0;                    // > 0: sample among the first sample_vocab ids only
+    int32_t sampled_vocab() const {
+        const int32_t V = model->hparams().n_vocab;
+        return sample_vocab > 0 && sample_vocab < V ? sample_vocab : V;
+    }
 };
 using RuntimeClass = py::class_<PyRuntime, std::shared_ptr<PyRuntime>>;
 
@@ -39,6 +70,7 @@ struct PagerRef {
     std::shared_ptr<void> owner;
     Pager *p = nullptr;
     KVPool *pool = nullptr;
+    std::atomic<bool> *busy = nullptr;           // the runtime's InUse flag (a runtime's pager), or none
     Pager &pg() { return *p; }
 };
 
@@ -46,6 +78,9 @@ struct PagerRef {
 std::string optional_path(const py::object &path);
 // A non-empty 1-D int32 view of tokens (ValueError otherwise).
 py::array_t<int32_t, py::array::c_style | py::array::forcecast> token_ids(const py::array &tokens);
+// The same, copied: what a call that releases the GIL reads (the caller's buffer may
+// change under it once other Python threads run).
+std::vector<int32_t> token_copy(const py::array &tokens);
 // Sampling arguments, validated (ValueError naming the bad one).
 SamplerParams sampling(float temperature, int32_t top_k, float top_p, float min_p);
 

@@ -18,6 +18,11 @@ py::array_t<int32_t, py::array::c_style | py::array::forcecast> token_ids(const 
     return t;
 }
 
+std::vector<int32_t> token_copy(const py::array &tokens) {
+    auto t = token_ids(tokens);
+    return std::vector<int32_t>(t.data(), t.data() + t.shape(0));
+}
+
 SamplerParams sampling(float temperature, int32_t top_k, float top_p, float min_p) {
     const SamplerParams sp{temperature, top_k, top_p, min_p};
     sp.validate();

@@ -38,6 +38,8 @@ struct GGUFKeys {
     int64_t a(const char *suffix, int64_t def = 0, bool req = true) const { return get_int(arch + "." + suffix, def, req); }
     double f(const char *suffix, double def = 0, bool req = false) const { return get_float(arch + "." + suffix, def, req); }
     bool has(const char *suffix) const { return find(arch + "." + suffix) >= 0; }
+    // <arch>.suffix as a float that must be finite (and > 0 when positive); invalid_argument otherwise.
+    float finite(const char *suffix, double def, bool positive) const;
 };
 
 // Weight lookup with its shape checked (std::invalid_argument when missing or misshapen).

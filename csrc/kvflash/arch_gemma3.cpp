@@ -12,22 +12,25 @@ namespace {
 
 void read_gemma3(const GGUFKeys &kv, Hparams &hp) {
     hp.rope_mode = GGML_ROPE_TYPE_NEOX;
-    hp.n_swa = int32_t(kv.a("attention.sliding_window", 0, false));
-    if (hp.n_swa < 0) throw std::invalid_argument(kv.file + ": attention.sliding_window must be >= 0");
+    const int64_t n_swa = kv.a("attention.sliding_window", 0, false);
+    if (n_swa < 0 || n_swa > (int64_t(1) << 30))
+        throw std::invalid_argument(kv.file + ": attention.sliding_window = " + std::to_string(n_swa) + " is out of range");
+    hp.n_swa = int32_t(n_swa);
     if (hp.n_swa > 0) {
         const int64_t pattern = kv.a("attention.sliding_window_pattern", 6, false);
         if (pattern <= 0) throw std::invalid_argument(kv.file + ": sliding_window_pattern must be > 0");
         for (int32_t il = 0; il < hp.n_layer; ++il) hp.is_swa[il] = (il % pattern) < pattern - 1;
     }
-    hp.rope_base_swa = float(kv.f("rope.freq_base_swa", 10000.0));
+    hp.rope_base_swa = kv.finite("rope.freq_base_swa", 10000.0, true);
     hp.rope_scale_swa = 1.f;
     // Queries are scaled by 1/sqrt(query_pre_attn_scalar).  An explicit <arch>.attention.scale
     // wins; GGUF conversions write none, and Gemma 3's configs set the scalar to the head dim in
     // every size with 256-wide heads, n_embd / n_head in the one with 128-wide heads (27B).
-    if (kv.has("attention.scale")) hp.attn_scale = float(kv.f("attention.scale"));
+    if (kv.has("attention.scale")) hp.attn_scale = kv.finite("attention.scale", 0.0, true);
     else if (hp.head_dim_k != 256) hp.attn_scale = 1.0f / std::sqrt(float(hp.n_embd / hp.n_head));
     if (!(hp.attn_scale > 0.f)) throw std::invalid_argument(kv.file + ": attention.scale must be > 0");
-    hp.final_softcap = float(kv.f("final_logit_softcapping", 0.0));
+    hp.final_softcap = kv.finite("final_logit_softcapping", 0.0, false);
+    if (hp.final_softcap < 0) throw std::invalid_argument(kv.file + ": final_logit_softcapping must be >= 0");
 }
 
 void load_gemma3(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {

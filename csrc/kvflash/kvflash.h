@@ -17,10 +17,12 @@
  *   kvflash_sample(s, NULL, &g, &tok);                            // first token
  *   for (int i = 0; i < n; ++i) kvflash_decode(s, tok, &g, &tok); // one token a call
  *
- * Threads: not thread-safe.  A model and every session over it share one ggml
- * backend (its worker threads and scratch buffer), so calls on them must not
- * overlap: serialize them (one thread, or a lock per model).  Different models
- * may be used from different threads at once.  kvflash_default_params,
+ * Threads: a model and every session over it share one ggml backend (its worker
+ * threads and scratch buffer); the core serializes their graph computes with a
+ * lock per model, so different sessions, over one model or not, may be used from
+ * different threads at once.  One session serves one call at a time: a call
+ * that overlaps another on the same session returns KVFLASH_EBUSY and does
+ * nothing (serialize calls on a session yourself).  kvflash_default_params,
  * kvflash_default_sampling and kvflash_version are safe from any thread.
  *
  * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct
@@ -42,7 +44,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 3
+#define KVFLASH_API_VERSION 4
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -52,6 +54,7 @@ enum kvflash_status {
     KVFLASH_EINVAL = -1,   /* bad argument (the message says which) */
     KVFLASH_ERANGE = -2,   /* position / token / chunk outside the allowed range */
     KVFLASH_ERUNTIME = -3, /* the backend failed (allocation, compute, I/O) */
+    KVFLASH_EBUSY = -4,    /* since API version 4: another thread is in a call on this session; nothing done */
 };
 
 struct kvflash_params {
@@ -73,6 +76,10 @@ struct kvflash_params {
     int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (32; 0: off) */
     int32_t qk_spread;          /* each token takes the peak of this many tokens either side (4) */
     int32_t qk_layers;          /* the first N paged layers score (-1: a quarter, at least 8; 0: all) */
+    /* -- since API version 4 -- */
+    int64_t max_host_bytes;     /* cap on the host store of paged-out chunks (0: none); a call that would
+                                   page out past it returns KVFLASH_ERUNTIME ("host store full") and
+                                   leaves the session as it was */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

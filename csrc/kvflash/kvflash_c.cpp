@@ -2,6 +2,7 @@
 #include "kvflash/pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -37,6 +38,7 @@ struct kvflash_session {
     std::vector<float> logits;   // after the last evaluated token (empty before any eval)
     std::vector<float> scores;
     mutable std::string err;
+    mutable std::atomic<bool> busy{false};  // guarded(): one call at a time
 
     int32_t n_chunks() const {
         const int64_t C = rt->config().chunk_tokens;
@@ -66,9 +68,16 @@ void put_err(char *err, size_t len, const char *msg) {
     }
 }
 
-// Runs f, turning every exception into a status code and the session's message.
+// Runs f, turning every exception into a status code and the session's message.  One
+// call at a time per session: an overlapping one returns KVFLASH_EBUSY at once, and
+// leaves the session's message to the call in progress.
 template <class S, class F> int guarded(S *s, F f) {
     if (!s) return KVFLASH_EINVAL;
+    if (s->busy.exchange(true)) return KVFLASH_EBUSY;
+    struct Release {
+        std::atomic<bool> &b;
+        ~Release() { b.store(false); }
+    } release{s->busy};
     try {
         f();
         s->err.clear();
@@ -201,6 +210,10 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         c.sink_chunks = p.sink_chunks;
         c.tail_window_chunks = p.tail_window_chunks;
         c.ubatch = p.ubatch;
+        if (p.max_host_bytes < 0)
+            throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +
+                                        std::to_string(p.max_host_bytes));
+        c.max_host_bytes = p.max_host_bytes;
         c.capture_queries = policy == "qk" ? p.qk_queries + p.qk_contrast : 1;
         auto s = std::make_unique<kvflash_session>();
         s->m = model->m;

@@ -5,13 +5,15 @@
 // the weights are the mmap'd file; on CUDA (a KVFLASH_CUDA build) they are
 // uploaded into a ggml-cuda buffer and the mapping is dropped.  Every runtime over
 // a model computes on the model's backend.  Immutable once loaded (the thread
-// count aside); many runtimes may share it.
+// count aside); many runtimes may share it, from different threads too: their
+// graph computes are serialized by the model's compute lock.
 //
 // Shapes follow ggml order (innermost first): x: [n_embd, n_tokens].
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,8 +78,13 @@ public:
     // (on CUDA: cudaMemGetInfo, so free is what is left after the weights and whatever
     // else is allocated; on the CPU ggml reports free == total, physical RAM).
     std::pair<size_t, size_t> device_memory() const;
-    // CPU threads for the CPU backend's kernels; on CUDA only recorded.
+    // CPU threads for the CPU backend's kernels; on CUDA only recorded.  Taken under
+    // the compute lock, so it never changes under a running graph.
     void set_n_threads(int32_t n);
+    // Every runtime over this model computes on its one backend (the CPU backend's
+    // work buffer and thread pool, or the CUDA stream): graph computes from runtimes
+    // on different threads take this lock, one at a time (Runtime::eval_piece).
+    std::mutex &compute_mutex() const { return compute_mu_; }
     int32_t n_threads() const { return n_threads_; }
     // Model layer indices whose attention is global (these are paged).
     std::vector<int32_t> global_layers() const;
@@ -102,6 +109,7 @@ private:
     void *map_ = nullptr;             // the file mapping (CPU backend only; unmapped after a CUDA upload)
     size_t map_bytes_ = 0, weight_bytes_ = 0;
     int32_t n_threads_ = 1;
+    mutable std::mutex compute_mu_;
 };
 
 }  // namespace kvflash

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -68,6 +69,28 @@ std::string GGUFKeys::get_str(const std::string &k, const std::string &def, bool
     return gguf_get_val_str(g, id);
 }
 
+// The storage types a weight may have: vectors (norms, biases) are F32, as every
+// converter writes them (the graph adds and multiplies them into F32 activations);
+// matrices are F32, F16, BF16 or a quantized type ggml's CPU backend has a dot product
+// for (what ggml_mul_mat and ggml_get_rows need).  Anything else (I8, I32, F64, ...)
+// would load and then abort inside ggml on the first eval.
+void check_weight_type(const std::string &file, const ggml_tensor *t, bool matrix) {
+    const ggml_type ty = t->type;
+    bool ok;
+    if (!matrix) {
+        ok = ty == GGML_TYPE_F32;
+    } else {
+        const auto *cpu = ggml_get_type_traits_cpu(ty);
+        ok = (ty == GGML_TYPE_F32 || ty == GGML_TYPE_F16 || ty == GGML_TYPE_BF16 || ggml_is_quantized(ty)) && cpu &&
+             cpu->vec_dot && t->ne[0] % ggml_blck_size(ty) == 0;
+    }
+    if (!ok)
+        throw std::invalid_argument(file + ": tensor '" + ggml_get_name(t) + "' has type " + ggml_type_name(ty) +
+                                    (matrix ? ", which is not a weight type kvflash computes with (F32, F16, BF16 or a "
+                                              "ggml quantized type)"
+                                            : "; norms and biases must be F32") + ": re-convert the model");
+}
+
 ggml_tensor *TensorLoader::get(const std::string &name, const std::vector<int64_t> &shape, bool required) const {
     ggml_tensor *t = ggml_get_tensor(meta, name.c_str());
     if (!t) {
@@ -82,6 +105,7 @@ ggml_tensor *TensorLoader::get(const std::string &name, const std::vector<int64_
         for (int d = 0; d < ggml_n_dims(t); ++d) got += (d ? ", " : "") + std::to_string(t->ne[d]);
         throw std::invalid_argument(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
     }
+    check_weight_type(file, t, shape.size() >= 2);
     return t;
 }
 
@@ -96,34 +120,50 @@ void check_positive(const std::string &file, const char *what, int64_t v, int64_
 
 [[maybe_unused]] std::string mib(size_t bytes) { return std::to_string((bytes + (1u << 19)) >> 20) + " MiB"; }
 
+// A positive count, checked as read (64 bits) before it is narrowed to 32.
+int32_t positive_key(const GGUFKeys &kv, const char *suffix, int64_t limit, int64_t def = 0, bool required = true) {
+    const int64_t v = kv.a(suffix, def, required);
+    check_positive(kv.file, suffix, v, limit);
+    return int32_t(v);
+}
+
+// A float key that must be finite (and > 0 when positive is set).
+float finite_key(const GGUFKeys &kv, const char *suffix, double def, bool positive) {
+    const double v = kv.f(suffix, def);
+    if (!std::isfinite(v) || (positive && !(v > 0)) || std::fabs(v) > 3.0e38)
+        throw std::invalid_argument(kv.file + ": " + kv.arch + "." + suffix + " = " + std::to_string(v) +
+                                    (positive ? " must be a finite number > 0" : " must be finite"));
+    return float(v);
+}
+
+}  // namespace
+
+float GGUFKeys::finite(const char *suffix, double def, bool positive) const { return finite_key(*this, suffix, def, positive); }
+
+namespace {
+
 // The keys every family shares; the family's read_hparams runs after.
 Hparams read_common_hparams(const GGUFKeys &kv) {
     Hparams hp;
     hp.arch = kv.arch;
-    hp.n_layer = int32_t(kv.a("block_count"));
-    hp.n_embd = int32_t(kv.a("embedding_length"));
-    hp.n_ff = int32_t(kv.a("feed_forward_length"));
-    hp.n_head = int32_t(kv.a("attention.head_count"));
-    hp.n_head_kv = int32_t(kv.a("attention.head_count_kv", hp.n_head, false));
-    check_positive(kv.file, "block_count", hp.n_layer, 4096);
-    check_positive(kv.file, "embedding_length", hp.n_embd);
-    check_positive(kv.file, "feed_forward_length", hp.n_ff);
-    check_positive(kv.file, "attention.head_count", hp.n_head, 4096);
-    check_positive(kv.file, "attention.head_count_kv", hp.n_head_kv, 4096);
+    hp.n_layer = positive_key(kv, "block_count", 4096);
+    hp.n_embd = positive_key(kv, "embedding_length", int64_t(1) << 30);
+    hp.n_ff = positive_key(kv, "feed_forward_length", int64_t(1) << 30);
+    hp.n_head = positive_key(kv, "attention.head_count", 4096);
+    hp.n_head_kv = positive_key(kv, "attention.head_count_kv", 4096, hp.n_head, false);
     if (hp.n_head % hp.n_head_kv != 0)
         throw std::invalid_argument(kv.file + ": head_count " + std::to_string(hp.n_head) +
                                     " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
     if (hp.n_embd % hp.n_head != 0 && !kv.has("attention.key_length"))
         throw std::invalid_argument(kv.file + ": embedding_length not divisible by head_count and no key_length");
-    hp.head_dim_k = int32_t(kv.a("attention.key_length", hp.n_embd / hp.n_head, false));
-    hp.head_dim_v = int32_t(kv.a("attention.value_length", hp.head_dim_k, false));
-    check_positive(kv.file, "attention.key_length", hp.head_dim_k, 1024);
-    check_positive(kv.file, "attention.value_length", hp.head_dim_v, 1024);
+    hp.head_dim_k = positive_key(kv, "attention.key_length", 1024, hp.n_embd / hp.n_head, false);
+    hp.head_dim_v = positive_key(kv, "attention.value_length", 1024, hp.head_dim_k, false);
     if (hp.head_dim_k != hp.head_dim_v)
         throw std::invalid_argument(kv.file + ": key_length != value_length is not supported");
-    hp.n_rot = int32_t(kv.a("rope.dimension_count", hp.head_dim_k, false));
+    const int64_t n_rot = kv.a("rope.dimension_count", hp.head_dim_k, false);
+    hp.n_rot = n_rot == hp.head_dim_k ? hp.head_dim_k : -1;
     if (hp.n_rot != hp.head_dim_k)
-        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(hp.n_rot) +
+        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(n_rot) +
                                     " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported");
     hp.n_ctx_train = kv.a("context_length", 4096, false);
     check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
@@ -136,11 +176,10 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     hp.rms_eps = float(kv.f("attention.layer_norm_rms_epsilon", 1e-5, true));
     if (!(hp.rms_eps > 0.f) || hp.rms_eps > 1.f)
         throw std::invalid_argument(kv.file + ": layer_norm_rms_epsilon out of range");
-    hp.rope_base = float(kv.f("rope.freq_base", 10000.0));
+    hp.rope_base = finite_key(kv, "rope.freq_base", 10000.0, true);
     const std::string scaling = kv.get_str(kv.arch + ".rope.scaling.type", "none", false);
     if (scaling == "linear") {
-        const double factor = kv.f("rope.scaling.factor", 1.0);
-        if (!(factor > 0)) throw std::invalid_argument(kv.file + ": rope.scaling.factor must be > 0");
+        const double factor = finite_key(kv, "rope.scaling.factor", 1.0, true);
         hp.rope_scale = float(1.0 / factor);
     } else if (scaling != "none" && !scaling.empty()) {
         throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear)");
@@ -154,6 +193,44 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
 
 // ---------------------------------------------------------------- loading
 
+namespace {
+
+// ggml's log, captured while gguf_init_from_file runs: its first error line becomes
+// the exception's reason.  One load at a time captures (the logger is process-wide);
+// the previous logger is restored after.
+class GGUFLogCapture {
+public:
+    GGUFLogCapture() : lock_(mu()) {
+        ggml_log_get(&prev_, &prev_ud_);
+        ggml_log_set(&GGUFLogCapture::sink, this);
+    }
+    ~GGUFLogCapture() { ggml_log_set(prev_, prev_ud_); }
+    std::string first_error() const {
+        std::string line = text_.substr(0, text_.find('\n'));
+        const size_t colon = line.find(": ");  // "gguf_init_from_reader: ..." -> "..."
+        if (colon != std::string::npos && line.compare(0, 5, "gguf_") == 0) line = line.substr(colon + 2);
+        return line;
+    }
+
+private:
+    static std::mutex &mu() {
+        static std::mutex m;
+        return m;
+    }
+    static void sink(ggml_log_level level, const char *text, void *ud) {
+        auto *self = static_cast<GGUFLogCapture *>(ud);
+        if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_CONT) {
+            if (self->text_.size() < 4096) self->text_ += text;
+        }
+    }
+    std::lock_guard<std::mutex> lock_;
+    ggml_log_callback prev_ = nullptr;
+    void *prev_ud_ = nullptr;
+    std::string text_;
+};
+
+}  // namespace
+
 std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device) {
     // The device first: a bad device string fails before any file work.
     const Device dev = parse_device(device);
@@ -163,7 +240,11 @@ std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, c
     m->device_ = dev;
     m->read_header(path);
     m->read_tensors();
-    m->place_weights(n_threads > 0 ? n_threads : int32_t(std::max(1u, std::thread::hardware_concurrency())));
+    const int32_t hw = int32_t(std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), GGML_MAX_N_THREADS));
+    if (n_threads > GGML_MAX_N_THREADS)  // before any file work, as the device
+        throw std::invalid_argument("n_threads " + std::to_string(n_threads) + " is above ggml's limit of " +
+                                    std::to_string(GGML_MAX_N_THREADS) + " threads; use at most the machine's cores");
+    m->place_weights(n_threads > 0 ? n_threads : hw);
     return m;
 }
 
@@ -181,15 +262,26 @@ void Model::read_header(const std::string &path) {
         if (got != 4 || std::memcmp(magic, "GGUF", 4) != 0) throw std::invalid_argument(path + ": not a GGUF file");
     }
     gguf_init_params gp{true, &meta_};
-    gguf_ = gguf_init_from_file(path.c_str(), gp);
-    if (!gguf_) throw std::invalid_argument(path + ": corrupt or truncated GGUF header");
+    std::string why;
+    {
+        GGUFLogCapture capture;  // ggml's parser says what is wrong only in its log
+        gguf_ = gguf_init_from_file(path.c_str(), gp);
+        why = capture.first_error();
+    }
+    if (!gguf_)
+        throw std::invalid_argument(path + ": corrupt or truncated GGUF header" + (why.empty() ? "" : ": " + why));
     map_bytes_ = size_t(st.st_size);
 
-    // Every tensor's bytes must lie inside the file.
+    // Every tensor's bytes must lie inside the file (the sums checked for wrapping).
     const size_t data_off = gguf_get_data_offset(gguf_);
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
         const char *name = gguf_get_tensor_name(gguf_, i);
-        const size_t end = data_off + gguf_get_tensor_offset(gguf_, i) + ggml_nbytes(ggml_get_tensor(meta_, name));
+        const ggml_tensor *t = ggml_get_tensor(meta_, name);
+        if (!t) throw std::invalid_argument(path + ": corrupt GGUF: tensor '" + name + "' has no metadata");
+        size_t end = 0;
+        if (__builtin_add_overflow(data_off, gguf_get_tensor_offset(gguf_, i), &end) ||
+            __builtin_add_overflow(end, ggml_nbytes(t), &end))
+            throw std::invalid_argument(path + ": corrupt GGUF: tensor '" + name + "' has an offset past any file");
         if (end > size_t(st.st_size))
             throw std::invalid_argument(path + ": truncated: tensor '" + name + "' ends at byte " + std::to_string(end) +
                                         " but the file has " + std::to_string(st.st_size));
@@ -212,6 +304,10 @@ void Model::read_tensors() {
     if (!tok_embd) throw std::invalid_argument(path_ + ": missing tensor 'token_embd.weight'");
     if (tok_embd->ne[0] != E || ggml_n_dims(tok_embd) != 2)
         throw std::invalid_argument(path_ + ": tensor 'token_embd.weight' must be [n_embd=" + std::to_string(E) + ", n_vocab]");
+    check_weight_type(path_, tok_embd, true);
+    if (tok_embd->ne[1] <= 0 || tok_embd->ne[1] > std::numeric_limits<int32_t>::max())
+        throw std::invalid_argument(path_ + ": token_embd.weight has " + std::to_string(tok_embd->ne[1]) +
+                                    " rows; the vocabulary must have 1 .. 2^31-1 tokens (token ids are int32)");
     hp.n_vocab = int32_t(tok_embd->ne[1]);
     const int64_t V = hp.n_vocab;
     const int64_t vocab_kv = GGUFKeys{gguf_, path_, hp.arch}.a("vocab_size", V, false);
@@ -301,6 +397,10 @@ Model::~Model() {
 
 void Model::set_n_threads(int32_t n) {
     if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
+    if (n > GGML_MAX_N_THREADS)
+        throw std::invalid_argument("n_threads " + std::to_string(n) + " is above ggml's limit of " +
+                                    std::to_string(GGML_MAX_N_THREADS) + " threads; use at most the machine's cores");
+    std::lock_guard<std::mutex> lock(compute_mu_);
     n_threads_ = n;
     if (backend_ && ggml_backend_is_cpu(backend_)) ggml_backend_cpu_set_n_threads(backend_, n);
 }

@@ -27,6 +27,7 @@ void PagerConfig::validate() {
                                     std::to_string(chunk_tokens));
     if (sink_chunks < 0) throw std::invalid_argument("sink_chunks must be >= 0");
     if (tail_window_chunks < 0) throw std::invalid_argument("tail_window_chunks must be >= 0");
+    if (max_host_bytes < 0) throw std::invalid_argument("max_host_bytes must be >= 0 (0: no cap)");
     check_max_ctx(max_ctx);
     const int32_t minp = min_pool_tokens();
     if (pool_tokens <= 0)
@@ -47,7 +48,8 @@ Pager::Pager(PagerConfig cfg, ChunkMover *mover, HostStore::Backing backing, std
     : cfg_(cfg), mover_(mover) {
     cfg_.validate();
     if (!mover_) throw std::invalid_argument("pager: a chunk mover is required");
-    host_ = std::make_unique<HostStore>(mover_->chunk_bytes(), backing, std::move(host_path), 16, host_alloc);
+    host_ = std::make_unique<HostStore>(mover_->chunk_bytes(), backing, std::move(host_path), 16, host_alloc,
+                                        size_t(cfg_.max_host_bytes));
     n_blocks_ = cfg_.pool_tokens / cfg_.chunk_tokens;
     n_chunks_ = int32_t((cfg_.max_ctx + cfg_.chunk_tokens - 1) / cfg_.chunk_tokens);
     words_ = (cfg_.chunk_tokens + 63) / 64;
@@ -159,6 +161,25 @@ AllocResult Pager::alloc_span(int64_t pos0, int32_t n, int32_t *slots_out) {
             if (c >= 0 && (c < c0 || c > c1) && !protected_under(c, new_head)) ++avail;
         }
         if (avail < need) return AllocResult::NO_ROOM;
+        // The evictions below need host buffers: get them now, so a store that cannot grow
+        // (memory, disk, max_host_bytes) throws before anything changed.
+        // The victims are the first `evictions` candidates in pick_victim's order (score
+        // when scored, then last use, then block), so exactly their missing copies count.
+        const int32_t evictions = need - int32_t(free_blocks_.size());
+        if (evictions > 0) {
+            std::vector<int32_t> cand;
+            for (int32_t b = 0; b < n_blocks_; ++b) {
+                const int32_t c = chunk_of_[b];
+                if (c >= 0 && (c < c0 || c > c1) && !protected_under(c, new_head)) cand.push_back(c);
+            }
+            std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
+                if (has_scores_ && score_[a] != score_[b]) return score_[a] < score_[b];
+                return last_use_[a] < last_use_[b];
+            });
+            int32_t copies = 0;
+            for (int32_t k = 0; k < evictions && k < int32_t(cand.size()); ++k) copies += host_of_[cand[k]] < 0;
+            host_->reserve(copies);
+        }
     }
 
     // Commit.
@@ -232,6 +253,8 @@ void Pager::clear_scores() {
 }
 
 int32_t Pager::reselect(const float *scores, int32_t n) {
+    const std::vector<float> old_scores = score_;
+    const bool had_scores = has_scores_;
     set_scores(scores, n);
     std::vector<int32_t> prot, rest;
     for (int32_t c = 0; c <= head_; ++c) {
@@ -252,7 +275,18 @@ int32_t Pager::reselect(const float *scores, int32_t n) {
     std::vector<uint8_t> target(n_chunks_, 0);
     for (int32_t c : prot) target[c] = 1;
     for (int32_t k = 0; k < n_keep; ++k) target[rest[k]] = 1;
-    int32_t moved = 0;
+    int32_t moved = 0, copies = 0;
+    for (int32_t b = 0; b < n_blocks_; ++b) {
+        const int32_t c = chunk_of_[b];
+        copies += c >= 0 && !target[c] && host_of_[c] < 0;
+    }
+    try {
+        host_->reserve(copies);  // all or nothing: a store that cannot grow throws before any move
+    } catch (...) {
+        score_ = old_scores;
+        has_scores_ = had_scores;
+        throw;
+    }
     for (int32_t b = 0; b < n_blocks_; ++b) {
         const int32_t c = chunk_of_[b];
         if (c >= 0 && !target[c]) { do_evict(c); ++moved; }
@@ -319,7 +353,7 @@ void Pager::reset() {
     std::fill(slot_pos_.begin(), slot_pos_.end(), -1);
     free_blocks_.clear();
     for (int32_t b = n_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(b);
-    host_->clear();
+    host_->release_memory();  // a new conversation starts with no host memory held
     clear_scores();
     head_ = -1;
     tick_ = 0;

@@ -39,6 +39,7 @@ struct PagerConfig {
     int32_t sink_chunks = 1;
     int32_t tail_window_chunks = 4;
     int64_t max_ctx = 0;              // logical context the pager addresses
+    int64_t max_host_bytes = 0;       // cap on the host store (0: none); past it a page-out throws HostStoreFull
 
     // Smallest legal pool for this config: (sinks + tail + 2) chunks, rounded up to 256.
     int32_t min_pool_tokens() const;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 
 #include "ggml-cpu.h"
@@ -58,6 +59,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     pc.sink_chunks = cfg_.sink_chunks;
     pc.tail_window_chunks = cfg_.tail_window_chunks;
     pc.max_ctx = cfg_.max_ctx;
+    pc.max_host_bytes = cfg_.max_host_bytes;
     // The baseline: every position has its own slot, nothing is ever evicted.
     pc.pool_tokens = full_cache_ ? int32_t(std::max<int64_t>((cfg_.max_ctx + 255) / 256 * 256, pc.min_pool_tokens()))
                                  : cfg_.pool_tokens;
@@ -228,7 +230,9 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
             throw std::invalid_argument("eval: token id " + std::to_string(tokens[i]) + " outside [0, " +
                                         std::to_string(hp.n_vocab) + ")");
     const int32_t C = cfg_.chunk_tokens, P = cache_->pool->pool_tokens();
+    const int64_t start = n_past_;
     int32_t done = 0;
+    try {
     while (done < n) {
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
         int32_t m = std::min(n - done, cfg_.ubatch);
@@ -241,6 +245,15 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;
         eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr);
         done += m;
+        if (!last && interrupt_ && interrupt_()) throw EvalInterrupted();
+    }
+    } catch (...) {
+        // All or nothing: a failure (or an interrupt) in a later piece takes back the
+        // earlier ones, unless the sliding-window ring cannot rewind that far.
+        if (n_past_ > start) {
+            try { truncate(start); } catch (const std::exception &) {}
+        }
+        throw;
     }
 }
 
@@ -252,16 +265,30 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
         throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
     // Attention covers the occupied prefix of the pool, in steps of 256 slots.
     const int32_t n_kv = std::min(P, std::max(256, (cache_->pager->used_extent() + 255) / 256 * 256));
-    Graph *g = get_graph(n, n_kv, all_logits && n > 1);
-    auto t0 = clk::now();
-    ggml_backend_tensor_set(g->tokens, tokens, 0, sizeof(int32_t) * n);
-    set_masks(*g, pos0, n, slots.data(), n_kv);
-    stats_.t_mask_ms += ms_since(t0);
-    t0 = clk::now();
-    if (ggml_backend_graph_compute(model_->backend(), g->gf) != GGML_STATUS_SUCCESS)
-        throw std::runtime_error("eval: graph compute failed");
-    stats_.t_compute_ms += ms_since(t0);
-    sync_for_host_read();
+    Graph *g = nullptr;
+    try {
+        g = get_graph(n, n_kv, all_logits && n > 1);
+        auto t0 = clk::now();
+        ggml_backend_tensor_set(g->tokens, tokens, 0, sizeof(int32_t) * n);
+        set_masks(*g, pos0, n, slots.data(), n_kv);
+        stats_.t_mask_ms += ms_since(t0);
+        t0 = clk::now();
+        {
+            // One graph at a time on the model's backend (model.h): runtimes sharing a model
+            // share its CPU work buffer and thread pool (or its CUDA stream).
+            std::lock_guard<std::mutex> lock(model_->compute_mutex());
+            if (ggml_backend_graph_compute(model_->backend(), g->gf) != GGML_STATUS_SUCCESS)
+                throw std::runtime_error("eval: graph compute failed");
+            sync_for_host_read();
+        }
+        stats_.t_compute_ms += ms_since(t0);
+    } catch (...) {
+        // The piece's positions were allocated but never computed: forget them, so the
+        // pager and n_past agree again.
+        cache_->pager->truncate(pos0);
+        decode_mask_epoch_ = -1;
+        throw;
+    }
     n_past_ = pos0 + n;
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;

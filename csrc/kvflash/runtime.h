@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -35,6 +37,7 @@ struct RuntimeConfig {
     int32_t prefill_piece = 0;        // piece once eviction starts (0: chunk_tokens), chunk-aligned
     std::string host = "ram";         // "ram" | "file" (parse_host_backing)
     std::string host_path;
+    int64_t max_host_bytes = 0;       // cap on the host store (0: none); past it eval throws HostStoreFull
     // Attention kernel on the CPU: "pool" (kvflash's split-K op over the pool),
     // "ggml" (ggml_flash_attn_ext), or "auto" (pool for pieces of up to
     // pool_attn_max_tokens queries, ggml above).  Other backends (CUDA) always use
@@ -54,6 +57,11 @@ struct RuntimeStats {
 
 class Runtime;
 
+// Thrown by Runtime::eval when its interrupt hook asked it to stop between pieces.
+struct EvalInterrupted : std::runtime_error {
+    EvalInterrupted() : std::runtime_error("eval: interrupted") {}
+};
+
 // State derived from the cache's contents (scoring keeps some) follows it through these calls.
 struct CacheObserver {
     virtual ~CacheObserver() = default;
@@ -70,8 +78,15 @@ public:
 
     // Evaluate tokens at positions [n_past, n_past + n) and append them to the
     // cache.  logits_out: n_vocab floats (last token) or n * n_vocab (all_logits).
-    // Throws invalid_argument for bad tokens, out_of_range past max_ctx.
+    // Throws invalid_argument for bad tokens, out_of_range past max_ctx.  All or
+    // nothing: when a piece fails (or the interrupt hook stops it, EvalInterrupted),
+    // the pieces already evaluated are truncated away again, so n_past is where it
+    // was (unless the sliding-window ring cannot rewind that far: then n_past says
+    // how far it got).  The tokens are read more than once: the caller keeps them
+    // unchanged for the call (the bindings pass a private copy).
     void eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    // Asked between the pieces of one eval; true: stop (the bindings check for Ctrl-C).
+    void set_interrupt(std::function<bool()> f) { interrupt_ = std::move(f); }
     int64_t n_past() const { return n_past_; }
     // Precondition: 0 <= n_past <= n_past() (std::out_of_range otherwise), and the
     // sliding-window ring still holds the window before n_past (std::invalid_argument).
@@ -139,6 +154,7 @@ private:
     std::vector<float> captured_q_;
     int32_t n_captured_ = 0;
     std::shared_ptr<CacheObserver> observer_;
+    std::function<bool()> interrupt_;
 };
 
 }  // namespace kvflash

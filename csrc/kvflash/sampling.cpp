@@ -13,7 +13,23 @@ void SamplerParams::validate() const {
     if (!(min_p >= 0.f && min_p < 1.f)) throw std::invalid_argument("min_p must be in [0, 1), got " + std::to_string(min_p));
 }
 
+// NaN breaks the candidates' ordering (std::sort needs a strict weak order: undefined
+// behaviour otherwise), +inf turns the softmax into NaN, and with no finite logit
+// there is nothing to choose: each is an error naming the first bad entry.
+static void check_logits(const float *logits, int32_t n) {
+    bool any_finite = false;
+    for (int32_t i = 0; i < n; ++i) {
+        const float x = logits[i];
+        if (std::isnan(x) || x == INFINITY)
+            throw std::invalid_argument("sample: logit " + std::to_string(i) + " is " + (std::isnan(x) ? "NaN" : "+inf") +
+                                        " (the model's activations overflowed, or the logits passed in are bad)");
+        any_finite = any_finite || std::isfinite(x);
+    }
+    if (n <= 0 || !any_finite) throw std::invalid_argument("sample: no logit is finite: nothing to sample");
+}
+
 int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {
+    check_logits(logits, n);
     if (p.temperature <= 0.f) {
         int32_t best = 0;
         for (int32_t i = 1; i < n; ++i)

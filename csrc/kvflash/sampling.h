@@ -22,7 +22,8 @@ class Sampler {
 public:
     explicit Sampler(uint64_t seed = 0) : rng_(seed) {}
     void seed(uint64_t s) { rng_.seed(s); }
-    // logits: n floats.  Preconditions: n > 0, params validated by the caller.
+    // logits: n floats.  Precondition: params validated by the caller.  Throws
+    // std::invalid_argument for a NaN or +inf logit, or when none is finite.
     int32_t sample(const float *logits, int32_t n, const SamplerParams &p);
 
 private:

@@ -35,6 +35,13 @@ def _make_session(a):
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device)
 
 
+def _say_why_it_stopped(s) -> None:
+    """Generation that ran out of context says so (stderr) rather than just stopping."""
+    if s.finish_reason == "max_ctx":
+        print(f"[kvflash] stopped: the context is full (max_ctx {s.max_ctx} tokens); raise --max-ctx",
+              file=sys.stderr)
+
+
 _PATH_FLAGS = {
     "--cmake-dir": ("cmake_dir", "the CMake package directory (find_package(kvflash CONFIG): -Dkvflash_DIR=...)"),
     "--pkgconfig-dir": ("pkgconfig_dir", "the directory with kvflash.pc (PKG_CONFIG_PATH)"),
@@ -87,6 +94,7 @@ def main(argv=None) -> int:
             for piece in it:
                 print(piece, end="", flush=True)
             print()
+            _say_why_it_stopped(s)
             if a.stats:
                 for k, v in s.stats.items():
                     print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}", file=sys.stderr)
@@ -106,6 +114,7 @@ def main(argv=None) -> int:
                     reply += piece
                     print(piece, end="", flush=True)
                 print()
+                _say_why_it_stopped(s)
                 messages.append({"role": "assistant", "content": reply})
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvflash: {e}", file=sys.stderr)

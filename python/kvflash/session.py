@@ -1,9 +1,14 @@
 """kvflash.Session: a model, its paged KV pool, a tokenizer and a residency policy."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import sys
+import threading
 import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
@@ -89,11 +94,15 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto"):
+                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
+                 max_host_bytes: Optional[int] = None):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or isinstance(max_host_bytes, bool)
+                                           or max_host_bytes < 1):
+            raise ValueError(f"max_host_bytes must be a positive integer (bytes) or None (no cap), got {max_host_bytes!r}")
         if not isinstance(tau, int) or tau < 1:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
@@ -115,6 +124,11 @@ class Session:
                              f"for; lower it, or pass allow_long_ctx=True to run past the trained context")
         self.max_ctx = max_ctx
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        if self.tokenizer.n_vocab > hp["n_vocab"]:
+            # Encoding could give ids the model has no embedding for: prefill refuses
+            # those by id; say so once here, where the file's mismatch is visible.
+            warnings.warn(f"the tokenizer has {self.tokenizer.n_vocab} tokens, the model {hp['n_vocab']}: "
+                          f"text that encodes to the extra tokens is refused by prefill", stacklevel=2)
         self.tau = tau
         self.kv_type = kv_type
         if not isinstance(reeval_tokens, int) or reeval_tokens < 1:
@@ -130,10 +144,14 @@ class Session:
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
                                      host_path=None if host_path is None else str(host_path),
-                                     seed=0 if seed is None else int(seed),
+                                     seed=0 if seed is None else int(seed), max_host_bytes=max_host_bytes or 0,
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
                                      capture_queries=int(getattr(self.policy, "n_capture",
                                                                  getattr(self.policy, "n_queries", 1))))
+        if self.tokenizer.n_vocab < hp["n_vocab"]:
+            # Padded embedding rows (ids the tokenizer has no text for): never sample them,
+            # or the stream would meet an id it cannot decode.
+            self.runtime.sample_vocab = self.tokenizer.n_vocab
         self.seed = seed
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
@@ -147,6 +165,11 @@ class Session:
         self._prefill_s = 0.0
         self._decode_s = 0.0
         self._decoded = 0
+        # One caller at a time (the runtime's own guard covers its native state; this one
+        # covers the Python state around it), and at most one open generate() iterator.
+        self._lock = threading.RLock()
+        self._open_gen: Optional[weakref.ref] = None
+        self.finish_reason: Optional[str] = None  # why the last generate() ended (see generate)
         if verbose:
             print(self.banner, file=sys.stderr)
 
@@ -206,6 +229,31 @@ class Session:
             line += f"\n[kvflash] auto pool: {self.auto_reason}"
         return line
 
+    # ------------------------------------------------------------------ one caller at a time
+    def _open_iterator(self):
+        g = self._open_gen() if self._open_gen is not None else None
+        if g is None or inspect.getgeneratorstate(g) == inspect.GEN_CLOSED:
+            self._open_gen = None
+            return None
+        return g
+
+    @contextlib.contextmanager
+    def _using(self, what: str, *, from_iterator=None):
+        """Hold the session for one call: RuntimeError if another thread holds it, or if a
+        generate() iterator other than from_iterator is still open (its next step would
+        continue from a history this call changed)."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"this Session is in use by another thread or iterator: {what} refused; give each "
+                               f"thread its own Session")
+        try:
+            g = self._open_iterator()
+            if g is not None and g is not from_iterator:
+                raise RuntimeError(f"this Session is in use by another thread or iterator: {what} refused while a "
+                                   f"generate() iterator is open; exhaust it or call its close() first")
+            yield
+        finally:
+            self._lock.release()
+
     # ------------------------------------------------------------------ text
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if not isinstance(text, str):
@@ -242,13 +290,41 @@ class Session:
         return ids
 
     def prefill(self, text_or_ids: Union[str, Sequence[int]]) -> int:
-        """Append a prompt to the context; returns the number of tokens added."""
-        ids = self._as_ids(text_or_ids, first=not self._tokens)
-        if not ids:
-            return 0
-        if self.runtime.n_past + len(ids) > self.max_ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens on top of {self.runtime.n_past} in context exceeds "
-                             f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
+        """Append a prompt to the context; returns the number of tokens added.
+
+        All or nothing: when anything fails on the way (the eval, the policy's rescore,
+        the re-read of the prompt's tail) or Ctrl-C interrupts it, the context is put
+        back as it was before the call and the exception propagates, so a retry does not
+        duplicate the prompt.  (When the context cannot be rewound -- gemma3's
+        sliding-window ring no longer holds that far back -- the session is reset.)
+        """
+        with self._using("prefill"):
+            ids = self._as_ids(text_or_ids, first=not self._tokens)
+            if not ids:
+                return 0
+            if self.runtime.n_past + len(ids) > self.max_ctx:
+                raise ValueError(f"prompt of {len(ids)} tokens on top of {self.runtime.n_past} in context exceeds "
+                                 f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
+            n0, logits0, since0 = len(self._tokens), self._last_logits, self._since_rescore
+            try:
+                return self._prefill(ids)
+            except BaseException:
+                self._rewind(n0, logits0, since0)
+                raise
+
+    def _rewind(self, n: int, last_logits, since_rescore: int) -> None:
+        """Put the context back to its first n tokens after a failed call."""
+        del self._tokens[n:]
+        try:
+            if self.runtime.n_past > n:
+                self.runtime.truncate(n)
+            self._last_logits, self._since_rescore = last_logits, since_rescore
+        except ValueError:  # the sliding-window ring cannot rewind that far
+            self._reset()
+        if self.runtime.n_past != len(self._tokens):  # cannot happen; never leave them apart
+            self._reset()
+
+    def _prefill(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
         self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32))
         self._prefill_s += time.perf_counter() - t0
@@ -294,6 +370,10 @@ class Session:
 
     def rescore(self) -> int:
         """Ask the policy for chunk scores now and repage the pool; returns chunks moved."""
+        with self._using("rescore", from_iterator=self._open_iterator()):
+            return self._rescore()
+
+    def _rescore(self) -> int:
         n = -(-self.runtime.n_past // self.chunk_tokens)
         if n == 0:
             return 0
@@ -312,7 +392,15 @@ class Session:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  stop: Union[str, Sequence[str], None] = None, ignore_eos: bool = False,
                  seed: Optional[int] = None) -> Iterator[str]:
-        """Stream text pieces, continuing from whatever is already in the session."""
+        """Stream text pieces, continuing from whatever is already in the session.
+
+        One iterator at a time: while one is open (neither exhausted nor closed), another
+        generate(), prefill(), chat() or reset() raises RuntimeError.  When it ends,
+        ``finish_reason`` says why: "eos" (an end-of-turn token), "stop" (a stop string),
+        "length" (max_tokens), "max_ctx" (the context is full), "closed" (the caller
+        closed it early) or "error" (it raised).  The token history and the native
+        cache agree however it ends, Ctrl-C included.
+        """
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         if not (temperature >= 0):
@@ -324,33 +412,55 @@ class Session:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop must be a non-empty string or a list of them")
-        if prompt is not None:
-            self.prefill(prompt)
-        if self._last_logits is None:
-            raise ValueError("nothing to continue from: pass a prompt or prefill() first")
-        return self._generate(max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed)
+        with self._using("generate"):
+            if prompt is not None:
+                self.prefill(prompt)
+            if self._last_logits is None:
+                raise ValueError("nothing to continue from: pass a prompt or prefill() first")
+            gen = self._generate(max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed)
+            self._open_gen = weakref.ref(gen)
+            self.finish_reason = None
+            return gen
+
+    def _step(self, tok: int, sampling: tuple) -> int:
+        """Evaluate tok and sample the next one; the history gains tok exactly when the cache does."""
+        rt = self.runtime
+        try:
+            temperature, top_k, top_p, min_p = sampling
+            nxt = rt.eval_sample(np.asarray([tok], dtype=np.int32), temperature, top_k, top_p, min_p)
+        finally:
+            # eval_sample may have evaluated tok and then raised (the sampler refuses NaN
+            # logits), and Ctrl-C may land just after it returned: the cache decides.
+            if rt.n_past == len(self._tokens) + 1:
+                self._tokens.append(tok)
+                self._since_rescore += 1
+        return nxt
 
     def _generate(self, max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed):
         rt = self.runtime
-        if seed is not None:
-            rt.seed(int(seed))
+        me = self._open_iterator()
+        sampling = (temperature, top_k, top_p, min_p)
         eot = set() if ignore_eos else set(self.tokenizer.eot_ids)
         dec = StreamDecoder(self.tokenizer, strip_leading_space=False)
         held = ""  # text withheld while it could still be the start of a stop string
-        tok = rt.sample(self._last_logits, temperature, top_k, top_p, min_p)
         t0 = time.perf_counter()
-        produced = 0
+        n_start = len(self._tokens)
+        reason = None
         try:
+            with self._using("generate", from_iterator=me):
+                if seed is not None:
+                    rt.seed(int(seed))
+                tok = rt.sample(self._last_logits, *sampling)
             for _ in range(max_tokens):
                 if tok in eot:
+                    reason = "eos"
                     break
                 if rt.n_past >= self.max_ctx:
+                    reason = "max_ctx"
                     break
-                nxt = rt.eval_sample(np.asarray([tok], dtype=np.int32), temperature, top_k, top_p, min_p)
-                self._tokens.append(tok)
-                produced += 1
-                self._since_rescore += 1
-                self._maybe_rescore()
+                with self._using("generate", from_iterator=me):
+                    nxt = self._step(tok, sampling)
+                    self._maybe_rescore()
                 piece = dec.push(tok)
                 tok = nxt
                 if not stops:
@@ -360,6 +470,7 @@ class Session:
                 held += piece
                 cut = min((held.find(s) for s in stops if s in held), default=-1)
                 if cut >= 0:
+                    reason = "stop"
                     if held[:cut]:
                         yield held[:cut]
                     held = ""
@@ -374,14 +485,26 @@ class Session:
                 if safe:
                     yield held[:safe]
                     held = held[safe:]
+            else:
+                reason = "length"
             tail = dec.flush() if hasattr(dec, "flush") else ""
             if held + tail:
                 yield held + tail
+        except GeneratorExit:
+            reason = "closed"
+            raise
+        except BaseException:
+            reason = "error"
+            raise
         finally:
-            if produced:
+            produced = len(self._tokens) - n_start
+            if produced > 0:
                 self._last_logits = rt.last_logits().copy()
             self._decode_s += time.perf_counter() - t0
-            self._decoded += produced
+            self._decoded += max(produced, 0)
+            self.finish_reason = reason
+            if self._open_gen is not None and self._open_gen() is me:
+                self._open_gen = None
 
     def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **kw) -> Iterator[str]:
         """Render messages with the model's chat template and stream the reply.
@@ -391,24 +514,47 @@ class Session:
         """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
-        common = 0
-        for a, b in zip(self._tokens, ids):
-            if a != b:
-                break
-            common += 1
-        if common == len(ids):
-            common -= 1  # re-evaluate the last token to get fresh logits
-        if common < len(self._tokens):
+        with self._using("chat"):
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+            common = 0
+            for a, b in zip(self._tokens, ids):
+                if a != b:
+                    break
+                common += 1
+            if common == len(ids):
+                common -= 1  # re-evaluate the last token to get fresh logits
+            if common < len(self._tokens):
+                try:
+                    self.runtime.truncate(max(common, 0))
+                    del self._tokens[max(common, 0):]
+                except ValueError:
+                    self._reset()
+                    common = 0
+            self.prefill(ids[max(common, 0):])
+            return self.generate(None, **kw)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Rewind the context to its first n_tokens (0: reset); the last kept token is read
+        again so generate() continues from fresh logits.  ValueError when gemma3's
+        sliding-window ring no longer reaches that far back (reset and prefill instead)."""
+        with self._using("truncate"):
+            if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= len(self._tokens):
+                raise ValueError(f"truncate: n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
+            if n_tokens == 0:
+                self._reset()
+                return
+            if n_tokens == len(self._tokens):
+                return
+            last = self._tokens[n_tokens - 1]
+            self.runtime.truncate(n_tokens - 1)  # ValueError (ring) before anything changed
+            del self._tokens[n_tokens - 1:]
             try:
-                self.runtime.truncate(max(common, 0))
-                del self._tokens[max(common, 0):]
-            except ValueError:
-                self.reset()
-                common = 0
-        self.prefill(ids[max(common, 0):])
-        return self.generate(None, **kw)
+                self._last_logits = self.runtime.eval(np.asarray([last], dtype=np.int32))
+                self._tokens.append(last)
+            except BaseException:
+                self._last_logits = None  # the context holds n_tokens - 1 tokens; prefill continues it
+                raise
 
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
@@ -416,6 +562,10 @@ class Session:
 
     def reset(self) -> None:
         """Forget the context and every piece of policy state (scores never leak across sessions)."""
+        with self._using("reset"):
+            self._reset()
+
+    def _reset(self) -> None:
         self.runtime.reset()
         self._tokens.clear()
         self._last_logits = None
@@ -439,6 +589,7 @@ class Session:
             "pool_tokens": self.runtime.pool_tokens,
             "resident_kv_mib": resident / mib,
             "host_kv_mib": p["host_bytes"] / mib,
+            "host_cap_mib": p["max_host_bytes"] / mib if p["max_host_bytes"] else None,
             "residency_pct": 100.0 * min(p["resident_chunks"], mat) / mat,
             "page_outs": p["page_outs"],
             "page_ins": p["page_ins"],

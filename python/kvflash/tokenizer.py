@@ -55,6 +55,9 @@ TOKEN_TYPE_BYTE = 6
 
 _SPM_SPACE = "\u2581"  # "▁"
 
+# The longest SentencePiece piece whose merges are derived (see Tokenizer._build_spm).
+SPM_MAX_PIECE_CHARS = 256
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode char table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
@@ -288,10 +291,13 @@ class Tokenizer:
             scores = scores + [0.0] * (len(tokens) - len(scores))
         # SentencePiece BPE as merges: every way to split a piece into two pieces
         # is a merge, ranked by the merged piece's score (higher merges first),
-        # which is the order llama.cpp's SPM tokenizer applies them in.
+        # which is the order llama.cpp's SPM tokenizer applies them in.  That is
+        # quadratic in a piece's length: pieces longer than SPM_MAX_PIECE_CHARS (real
+        # ones are a few dozen characters; a hostile file can hold one of millions)
+        # get no merges, so they never come out of encoding, and still decode.
         ranked = []
         for i, t in enumerate(tokens):
-            if vocab.get(t) != i or len(t) < 2:
+            if vocab.get(t) != i or len(t) < 2 or len(t) > SPM_MAX_PIECE_CHARS:
                 continue
             s = scores[i]
             for k in range(1, len(t)):

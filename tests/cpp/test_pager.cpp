@@ -1,10 +1,13 @@
 // Pager bookkeeping tests against a plain byte-array mover (no ggml needed).
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdint>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kvflash/limits.h"
@@ -246,8 +249,39 @@ static void test_size_guard() {
     p.check_invariants();
 }
 
+// File regions are mapped at multiples of the page size whatever the chunk size: with
+// 64 KiB pages, 16 chunks of 768 bytes (12 KiB) put the second region at an offset
+// mmap refuses.  The store also caps itself (HostStoreFull, nothing handed out) and
+// gives its memory back.
+static void test_host_store_pages() {
+    const std::string path = "/tmp/kvflash-test-host-store-" + std::to_string(::getpid());
+    {
+        HostStore h(768, HostStore::Backing::FILE, path, 16, {}, 0, 65536);
+        CHECK(::access(path.c_str(), F_OK) != 0);  // unlinked at once
+        std::vector<int32_t> got;
+        for (int i = 0; i < 300; ++i) got.push_back(h.acquire());
+        CHECK(h.n_regions() >= 2);
+        for (int32_t r = 0; r < h.n_regions(); ++r) CHECK(h.region_offset(r) % 65536 == 0);
+        for (int32_t x : got) {
+            std::memset(h.ptr(x), x & 0xff, 768);
+            CHECK(h.ptr(x)[767] == uint8_t(x & 0xff));
+        }
+        h.release_memory();
+        CHECK(h.capacity() == 0 && h.reserved_bytes() == 0);
+        CHECK(h.acquire() == 0);
+    }
+    {
+        HostStore h(256, HostStore::Backing::RAM, "", 16, {}, 16 * 256, 4096);
+        for (int i = 0; i < 16; ++i) h.acquire();
+        CHECK(throws<HostStoreFull>([&] { h.acquire(); }));
+        CHECK(h.in_use() == 16 && h.capacity() == 16);
+        CHECK(throws<HostStoreFull>([&] { h.reserve(1); }));
+    }
+}
+
 int main() {
     test_config();
+    test_host_store_pages();
     test_size_guard();
     test_decode_eviction_roundtrip();
     test_protection_and_errors();

@@ -1,0 +1,506 @@
+"""Misuse and hostile input (issue 16): threads, iterators, interrupts and bad values
+give a clear Python exception, leave the session usable, and never crash the
+interpreter.  Anything that crashed before the fix runs in a child interpreter."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+core = pytest.importorskip("kvflash._core")
+pytest.importorskip("gguf")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from tinygguf import write_small_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return write_small_llama(tmp_path_factory.mktemp("misuse") / "small.gguf", seed=3)
+
+
+def _run_isolated(code: str, timeout: int = 300) -> tuple[int, str]:
+    """Run code in a child interpreter (on this process's cores): a crash there cannot take pytest down."""
+    prelude = f"import sys; sys.path.insert(0, {HERE!r})\n"
+    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=timeout)
+    return r.returncode, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- threads
+
+def test_second_thread_on_one_runtime_is_refused(small):
+    # A reset from another thread while an eval computes (GIL released) would free the
+    # graph and the pager's state under it; the runtime's guard refuses it instead.
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        prompt = (np.arange(3000) % 250).astype(np.int32)
+        err = []
+        def work():
+            try:
+                rt.eval(prompt)
+            except BaseException as e:
+                err.append(repr(e))
+        t = threading.Thread(target=work)
+        t.start()
+        refused = other = 0
+        while t.is_alive():
+            try:
+                rt.reset()
+            except RuntimeError as e:
+                assert "in use by another thread" in str(e), e
+                refused += 1
+            except Exception as e:
+                other += 1
+        t.join()
+        print("refused", refused, "other", other, "err", err, "n_past", rt.n_past)
+        assert not err and other == 0, (err, other)
+        assert refused > 0
+        rt.pager.check_invariants()
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_pager_view_refused_while_its_runtime_computes(small):
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        pg = rt.pager
+        t = threading.Thread(target=rt.eval, args=((np.arange(3000) % 250).astype(np.int32),))
+        t.start()
+        refused = 0
+        while t.is_alive():
+            try:
+                pg.reselect(np.zeros(pg.n_chunks, dtype=np.float32))
+            except RuntimeError as e:
+                assert "in use by another thread" in str(e), e
+                refused += 1
+        t.join()
+        assert refused > 0 and rt.n_past == 3000
+        pg.check_invariants()
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_runtimes_sharing_a_model_compute_one_at_a_time(small):
+    # Two runtimes over one Model share its CPU backend (work buffer, thread pool):
+    # evaluated together from two threads, each must give what it gives alone.
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        prompts = [(np.arange(1500) * k % 250).astype(np.int32) for k in (1, 7)]
+        def run(p):
+            rt = _core.Runtime(m, max_ctx=2048, pool_tokens=512, ubatch=32)
+            return rt.eval(p, all_logits=True)
+        alone = [run(p) for p in prompts]
+        for rep in range(3):
+            got = [None, None]
+            def work(i):
+                got[i] = run(prompts[i])
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in ts: t.start()
+            for t in ts: t.join()
+            for a, g in zip(alone, got):
+                assert g is not None and np.array_equal(a, g), "logits differ when two runtimes share the model"
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_token_ids_are_copied_before_the_gil_is_released(small):
+    # Another thread rewrites the caller's token buffer once eval has started computing
+    # (its first piece is in): eval reads the ids it validated (a copy), not the new ones
+    # (out-of-range ids there would reach ggml's get_rows unchecked).
+    rc, out = _run_isolated(f"""
+        import threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        prompt = (np.arange(3000) % 250).astype(np.int32)
+        ref = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64).eval(prompt.copy())
+        buf = prompt.copy()
+        rt = _core.Runtime(m, max_ctx=4096, pool_tokens=512, ubatch=64)
+        got = []
+        t = threading.Thread(target=lambda: got.append(rt.eval(buf)))
+        t.start()
+        while t.is_alive() and rt.n_past == 0:
+            pass
+        while t.is_alive():
+            buf[:] = 1
+        t.join()
+        assert got and np.array_equal(got[0], ref)
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_model_thread_count_is_bounded(small):
+    # 10**5 threads: ggml's thread pool holds at most GGML_MAX_N_THREADS (512); the
+    # first graph compute with more crashed the interpreter.
+    rc, out = _run_isolated(f"""
+        import numpy as np
+        from kvflash import _core
+        try:
+            m = _core.Model({small!r}, n_threads=10**5)
+            rt = _core.Runtime(m, max_ctx=64)
+            rt.eval(np.arange(4, dtype=np.int32))
+            print("LOADED")
+        except ValueError as e:
+            print("ValueError", e)
+        m = _core.Model({small!r}, n_threads=1)
+        try:
+            m.n_threads = 10**5
+            print("SET")
+        except ValueError as e:
+            print("ValueError", e)
+        assert m.n_threads == 1
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out and out.count("ValueError") == 2 and "512" in out, out
+
+
+# ---------------------------------------------------------------- sampler
+
+@pytest.mark.parametrize("bad", ["nan", "nan-some", "inf", "all-neg-inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_are_an_error(small, bad, temperature):
+    m = core.Model(small, n_threads=1)
+    rt = core.Runtime(m, max_ctx=64)
+    V = rt.n_vocab
+    x = np.random.default_rng(0).normal(size=V).astype(np.float32)
+    if bad == "nan":
+        x[:] = np.nan
+    elif bad == "nan-some":
+        x[::3] = np.nan
+    elif bad == "inf":
+        x[5] = np.inf
+    else:
+        x[:] = -np.inf
+    with pytest.raises(ValueError, match="(?i)nan|inf|finite"):
+        rt.sample(x, temperature=temperature, top_k=0, top_p=0.9)
+    x[:] = 0.0
+    x[7] = 5.0
+    assert rt.sample(x, temperature=temperature, top_k=1) == 7  # still usable
+
+
+# ---------------------------------------------------------------- session history vs native state
+
+def _session(path, **kw):
+    import kvflash
+    kw = dict(dict(max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False), **kw)
+    return kvflash.Session(path, **kw)
+
+
+def _consistent(s):
+    assert s.n_past == len(s.tokens), (s.n_past, len(s.tokens))
+    s.pager.check_invariants()
+
+
+class _InterruptAfter:
+    """The session's runtime, with KeyboardInterrupt raised right after the n-th return of
+    one of its methods: exactly where a Ctrl-C that arrived during that call (the GIL
+    released) is delivered."""
+
+    def __init__(self, rt, name, n=1):
+        self._rt, self._name, self._n = rt, name, n
+
+    def __getattr__(self, attr):
+        value = getattr(self._rt, attr)
+        if attr != self._name:
+            return value
+
+        def call(*args, **kwargs):
+            out = value(*args, **kwargs)
+            self._n -= 1
+            if self._n == 0:
+                raise KeyboardInterrupt
+            return out
+        return call
+
+
+def _ids(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 250, n)]
+
+
+def test_ctrl_c_after_prefill_eval_leaves_history_and_cache_agreeing(small):
+    s = _session(small)
+    s.prefill(_ids(100))
+    before = s.tokens
+    rt = s.runtime
+    s.runtime = _InterruptAfter(rt, "eval")
+    with pytest.raises(KeyboardInterrupt):
+        s.prefill(_ids(700, 1))
+    s.runtime = rt
+    _consistent(s)
+    assert s.tokens == before  # the interrupted prompt is not half there
+    s.prefill(_ids(700, 1))    # a retry adds it once
+    assert len(s.tokens) == 800
+    _consistent(s)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_ctrl_c_during_generate_leaves_history_and_cache_agreeing(small, n):
+    s = _session(small)
+    g = s.generate(_ids(50), max_tokens=20, ignore_eos=True)
+    rt = s.runtime
+    s.runtime = _InterruptAfter(rt, "eval_sample", n)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in g:
+            pass
+    s.runtime = rt
+    _consistent(s)
+    assert len(s.tokens) == 50 + n  # the token the cache holds is in the history too
+    assert s.finish_reason == "error"
+    assert "".join(s.generate(max_tokens=5, ignore_eos=True)) is not None  # still usable
+    _consistent(s)
+
+
+def test_interrupt_between_prompt_pieces_rolls_the_eval_back(small):
+    # Ctrl-C (SIGINT) during a long prompt: the runtime stops between pieces, takes them
+    # back, and eval raises KeyboardInterrupt; nothing of the prompt stays in the cache.
+    rc, out = _run_isolated(f"""
+        import os, signal, threading, numpy as np
+        from kvflash import _core
+        m = _core.Model({small!r}, n_threads=1)
+        rt = _core.Runtime(m, max_ctx=8192, pool_tokens=512, ubatch=64)
+        rt.eval(np.arange(10, dtype=np.int32))
+        prompt = (np.arange(8000) % 250).astype(np.int32)
+        def hit():
+            while rt.n_past <= 10:   # the first pieces are in
+                pass
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=hit, daemon=True).start()
+        try:
+            rt.eval(prompt)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt n_past", rt.n_past)
+        assert rt.n_past == 10, rt.n_past
+        rt.pager.check_invariants()
+        rt.eval(prompt[:100])
+        print("OK")
+    """)
+    assert rc == 0 and "KeyboardInterrupt n_past 10" in out and "OK" in out, out
+
+
+def test_failing_rescore_after_prompt_does_not_commit_it(small):
+    class Boom:
+        name = "boom"
+
+        def __init__(self):
+            self.fail = True
+
+        def score(self, view):
+            if self.fail:
+                raise RuntimeError("policy failed")
+            return np.zeros(view.n_chunks, dtype=np.float32)
+
+    pol = Boom()
+    s = _session(small, policy=pol)
+    s.prefill(_ids(64))
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1000, 2))  # outgrows the pool: the post-prompt rescore runs and fails
+    _consistent(s)
+    assert len(s.tokens) == 64
+    pol.fail = False
+    s.prefill(_ids(1000, 2))  # the retry adds the prompt once
+    assert len(s.tokens) == 1064
+    _consistent(s)
+
+
+def test_second_generate_while_one_is_open_is_refused(small):
+    s = _session(small)
+    g = s.generate(_ids(30), max_tokens=10, ignore_eos=True)
+    next(g)
+    for call in (lambda: s.generate("x", max_tokens=2), lambda: s.prefill([1, 2]), s.reset,
+                 lambda: s.generate(max_tokens=2)):
+        with pytest.raises(RuntimeError, match="in use by another thread or iterator"):
+            call()
+    _consistent(s)
+    rest = list(g)  # the open one carries on undisturbed
+    assert len(s.tokens) == 30 + 1 + len(rest) or s.finish_reason in ("eos", "stop")
+    _consistent(s)
+    g2 = s.generate(max_tokens=3, ignore_eos=True)
+    next(g2)
+    g2.close()
+    assert s.finish_reason == "closed"
+    list(s.generate(max_tokens=2, ignore_eos=True))  # closed: the session is free again
+    _consistent(s)
+
+
+def test_generate_stops_at_max_ctx_and_says_so(small):
+    s = _session(small, max_ctx=600)
+    out = list(s.generate(_ids(590), max_tokens=50, ignore_eos=True))
+    assert s.finish_reason == "max_ctx"
+    assert s.n_past == 600 and len(out) > 0
+    list(s.generate(max_tokens=0))
+    assert s.finish_reason == "length"
+    _consistent(s)
+
+
+def test_second_thread_on_one_session_is_refused(small):
+    import threading
+    s = _session(small)
+    started, refused, errs = threading.Event(), [], []
+
+    def work():
+        try:
+            started.set()
+            s.prefill(_ids(3000, 5))
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    started.wait()
+    while t.is_alive() and s.runtime.n_past == 0:  # the worker is inside prefill
+        pass
+    while t.is_alive():
+        try:
+            s.reset()
+        except RuntimeError as e:
+            assert "in use by another thread" in str(e)
+            refused.append(1)
+    t.join()
+    assert not errs and refused
+    _consistent(s)
+
+
+def test_failure_in_a_later_prompt_piece_takes_the_prompt_back(small):
+    # The first pieces fit; a later one needs a page-out past max_host_bytes.  The
+    # runtime truncates the evaluated pieces away again, and the session's history
+    # matches: a retry (after the cap is lifted) adds the prompt once.
+    m = core.Model(small, n_threads=1)
+    probe = core.Runtime(m, max_ctx=4096, pool_tokens=512)
+    cap = 16 * probe.pager.chunk_bytes
+    rt = core.Runtime(m, max_ctx=4096, pool_tokens=512, max_host_bytes=cap)
+    rt.eval(np.arange(10, dtype=np.int32))
+    with pytest.raises(RuntimeError, match="host store full"):
+        rt.eval((np.arange(1800) % 250).astype(np.int32))
+    assert rt.n_past == 10
+    rt.pager.check_invariants()
+    assert rt.pager.stats["host_bytes"] == 0  # the pieces' page-outs went with them
+    rt.eval((np.arange(900) % 250).astype(np.int32))  # fits under the cap
+    assert rt.n_past == 910
+
+    s = _session(small, max_host_bytes=cap)
+    s.prefill(_ids(10))
+    with pytest.raises(RuntimeError, match="host store full"):
+        s.prefill(_ids(1800, 7))
+    _consistent(s)
+    assert len(s.tokens) == 10
+
+
+def test_session_truncate_keeps_history_and_cache_together(small):
+    s = _session(small)
+    s.prefill(_ids(1500))
+    list(s.generate(max_tokens=10, ignore_eos=True))
+    s.truncate(1000)
+    _consistent(s)
+    assert len(s.tokens) == 1000 and s.tokens == _ids(1500)[:1000]
+    list(s.generate(max_tokens=5, ignore_eos=True))
+    assert len(s.tokens) == 1005
+    for bad in (-1, 2000, 1.5):
+        with pytest.raises(ValueError):
+            s.truncate(bad)
+    s.truncate(0)
+    assert s.n_past == 0 and s.tokens == []
+
+
+def test_c_api_session_refuses_an_overlapping_call_and_caps_its_host_store(small):
+    # ctypes releases the GIL around a C call: a guarded call (kvflash_set_seed here; a
+    # kvflash_reset would free what the eval computes on) from the main thread while
+    # another thread's kvflash_eval runs returns KVFLASH_EBUSY (-4) and does nothing.
+    from kvflash import capi
+    rc, out = _run_isolated(f"""
+        import ctypes, threading
+        import numpy as np
+        lib = ctypes.CDLL({str(capi.library_path())!r})
+        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
+        lib.kvflash_default_params.restype = Params
+        lib.kvflash_model_load.restype = ctypes.c_void_p
+        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_session_new.restype = ctypes.c_void_p
+        lib.kvflash_session_new.argtypes = [ctypes.c_void_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+        lib.kvflash_set_seed.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        lib.kvflash_n_past.restype = ctypes.c_int64
+        lib.kvflash_n_past.argtypes = [ctypes.c_void_p]
+        err = ctypes.create_string_buffer(512)
+        m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
+        p = lib.kvflash_default_params()
+        p.max_ctx, p.pool_tokens, p.ubatch = 4096, 512, 64
+        s = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert m and s, err.value
+        toks = (np.arange(3000) % 250).astype(np.int32)
+        got = []
+        t = threading.Thread(target=lambda: got.append(lib.kvflash_eval(s, toks.ctypes.data, 3000, None)))
+        t.start()
+        codes = {{}}
+        while t.is_alive() and lib.kvflash_n_past(s) == 0:  # the eval is under way
+            pass
+        while t.is_alive():
+            rc = lib.kvflash_set_seed(s, 1)
+            codes[rc] = codes.get(rc, 0) + 1
+        t.join()
+        print("codes", codes, "eval", got, "n_past", lib.kvflash_n_past(s))
+        assert got == [0] and codes.get(-4, 0) > 0 and lib.kvflash_n_past(s) == 3000
+        # API version 4: max_host_bytes; past it a call fails with ERUNTIME and changes nothing
+        lib.kvflash_last_error.restype = ctypes.c_char_p
+        lib.kvflash_last_error.argtypes = [ctypes.c_void_p]
+        p.max_host_bytes = 1 << 18  # 15 chunks of this model: the 3000-token prompt needs ~39 page-outs
+        capped = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert capped, err.value
+        assert lib.kvflash_eval(capped, toks.ctypes.data, 10, None) == 0
+        rc = lib.kvflash_eval(capped, toks.ctypes.data, 3000, None)
+        print("capped eval", rc, lib.kvflash_last_error(capped))
+        assert rc == -3 and b"host store full" in lib.kvflash_last_error(capped) and lib.kvflash_n_past(capped) == 10
+        p.max_host_bytes = -1
+        assert not lib.kvflash_session_new(m, ctypes.byref(p), err, 512) and b"max_host_bytes" in err.value
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+def test_rewind_past_the_sliding_window_ring_resets_the_session(tmp_path):
+    # gemma3's sliding-window ring cannot rewind a long prompt: a prefill that fails
+    # after it was evaluated leaves the session reset (history and cache both empty),
+    # never half there.
+    from tinygguf import write_tiny_model
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_model(path, "gemma3", n_layer=6, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, seed=5)
+
+    class Boom:
+        name = "boom"
+
+        def score(self, view):
+            raise RuntimeError("policy failed")
+
+    s = _session(str(path), policy=Boom())
+    s.prefill(_ids(20))
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1500, 3))
+    assert s.n_past == len(s.tokens) == 0
+    s.pager.check_invariants()
+    s.prefill(_ids(100))  # usable again
+    _consistent(s)
+
+
+def test_cli_says_when_the_context_is_full(small, capsys):
+    from kvflash import cli
+    assert cli.main(["generate", "-m", small, "--max-ctx", "64", "--kvflash", "off", "--kvflash-policy", "lru",
+                     "-t", "1", "-n", "200", "hello there"]) == 0
+    err = capsys.readouterr().err
+    assert "the context is full (max_ctx 64" in err, err
