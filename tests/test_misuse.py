@@ -273,6 +273,9 @@ def test_interrupt_between_prompt_pieces_rolls_the_eval_back(small):
     rc, out = _run_isolated(f"""
         import os, signal, threading, numpy as np
         from kvflash import _core
+        # Python's own Ctrl-C handler, whatever this child inherited: a shell that starts a
+        # job in the background (`cmd &`) hands it SIGINT ignored, and Python keeps it so.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         m = _core.Model({small!r}, n_threads=1)
         rt = _core.Runtime(m, max_ctx=8192, pool_tokens=512, ubatch=64)
         rt.eval(np.arange(10, dtype=np.int32))
