@@ -252,13 +252,13 @@ def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
 
 
 class Params(ctypes.Structure):
-    """struct kvflash_params as kvflash.h declares it (API version 4)."""
+    """struct kvflash_params as kvflash.h declares it (API version 5)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
                 ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
                 ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
                 ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
-                ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64)]
+                ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32)]
 
 
 def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
@@ -294,6 +294,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("QKC", refused(policy=b"qk", pool_tokens=512, qk_contrast=-1))
         print("QKS", refused(policy=b"qk", pool_tokens=512, qk_spread=300))
         print("QKL", refused(policy=b"qk", pool_tokens=512, qk_layers=-2))
+        print("QKCA", refused(policy=b"qk", pool_tokens=512, qk_carry=-1))
+        v4 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_carry.offset)  # API version 4
+        print("V4_OK", v4 is None, lib.kvflash_default_params().qk_carry)
         v2 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_contrast.offset)  # API version 2
         print("V2_OK", v2 is None)
         old = refused(struct_size=Params.policy.offset)  # a caller built against API version 1
@@ -307,7 +310,7 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(rf"^HUGE .*{GUARD_MSG}", out, re.M) and re.search(rf"^HUGE_FULL .*{GUARD_MSG}", out, re.M), out
     assert re.search(r'^POLICY .*policy must be "lru" or "qk"', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
-    assert "OLD_OK True" in out and "V2_OK True" in out
-    for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers")):
+    assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out
+    for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out

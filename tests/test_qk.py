@@ -195,9 +195,12 @@ def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
         x = x.astype(np.float64)
         x[: len(base)] -= base
         spread = np.array([x[max(0, i - 3): i + 4].max() for i in range(len(x))])
-        return np.array([spread[c * 64: (c + 1) * 64].max() for c in range(-(-len(toks) // 64))])
+        lower = x - np.abs(x) * 1e-6                      # carry: the 10 tokens before, a hair lower
+        carried = np.array([lower[max(0, i - 10): i - 3].max() if i - 3 > 0 else -np.inf for i in range(len(x))])
+        tok = np.maximum(spread, carried)
+        return np.array([tok[c * 64: (c + 1) * 64].max() for c in range(-(-len(toks) // 64))])
 
-    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3)
+    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3, carry=10)
     assert pol.n_capture == 32
     whole = kvflash.Session(tiny, max_ctx=4096, kvflash=4096, policy=pol, threads=1, verbose=False)
     whole.prefill(toks)
@@ -259,7 +262,8 @@ def test_chunk_peaks_carry_ranks_the_value_chunk_right_behind_its_key():
 
 def test_qk_defaults_are_peak_scoring_over_early_layers():
     p = QKPolicy()
-    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.layers, p.n_capture) == ("peak", 8, 32, 4, "auto", 40)
+    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.carry, p.layers, p.n_capture) == (
+        "peak", 8, 32, 4, 16, "auto", 40)
     assert [p.n_layers(n) for n in (3, 8, 30, 64)] == [3, 8, 8, 16]
     assert QKPolicy(layers=None).n_layers(30) == 0 and QKPolicy(layers=12).n_layers(6) == 6
     c = QKPolicy(aggregate="chunk")

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 4
+#define KVFLASH_API_VERSION 5
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -80,6 +80,9 @@ struct kvflash_params {
     int64_t max_host_bytes;     /* cap on the host store of paged-out chunks (0: none); a call that would
                                    page out past it returns KVFLASH_ERUNTIME ("host store full") and
                                    leaves the session as it was */
+    /* -- since API version 5 -- */
+    int32_t qk_carry;           /* qk: each token also takes, a hair lower, the scores of this many tokens
+                                   before it, so a value's chunk ranks behind its key's (16; 0: off) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

@@ -144,6 +144,7 @@ kvflash_params kvflash_default_params(void) {
     p.qk_contrast = 32;
     p.qk_spread = 4;
     p.qk_layers = -1;
+    p.qk_carry = 16;
     return p;
 }
 
@@ -196,6 +197,8 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.qk_contrast must be in [0, 256], got " + std::to_string(p.qk_contrast));
         if (p.qk_spread < 0 || p.qk_spread > 256)
             throw std::invalid_argument("params.qk_spread must be in [0, 256], got " + std::to_string(p.qk_spread));
+        if (p.qk_carry < 0 || p.qk_carry > 256)
+            throw std::invalid_argument("params.qk_carry must be in [0, 256], got " + std::to_string(p.qk_carry));
         if (p.qk_layers < -1)
             throw std::invalid_argument("params.qk_layers must be -1 (auto), 0 (all) or a layer count, got " +
                                         std::to_string(p.qk_layers));
@@ -223,7 +226,7 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         if (s->qk) {
             const int32_t n_paged = s->rt->pool().n_layers();
             s->peak = {p.qk_queries, p.qk_contrast, p.qk_spread,
-                       p.qk_layers < 0 ? kvflash::qk_auto_layers(n_paged) : p.qk_layers};
+                       p.qk_layers < 0 ? kvflash::qk_auto_layers(n_paged) : p.qk_layers, p.qk_carry};
         }
         s->tau = p.tau;
         s->reeval_tokens = p.reeval_tokens;

@@ -32,14 +32,15 @@ class QKPolicy:
       ``n_queries`` ending ``contrast`` tokens earlier pay it (what any query
       attends to -- sinks, common words -- cancels; 0: off), each token taking the
       peak of the ``spread`` tokens either side, and a chunk its peak token.
-      ``carry=N`` (default 0: off) also gives each token, a hair lower, the score
-      of the N tokens before it: the value of a fact follows its key, so the chunk
-      after a key that sits near a chunk edge ranks right behind the key's.  The
-      runtime then captures n_queries + contrast queries.  ``layers="auto"`` reads
+      ``carry=N`` (default 16; 0: off) also gives each token, a hair lower, the
+      score of the N tokens before it: the value of a fact follows its key, so the
+      chunk after a key that sits near a chunk edge ranks right behind the key's
+      (a passkey split by a chunk edge, or its key at the end of one chunk and its
+      digits in the next).  The runtime then captures n_queries + contrast queries.  ``layers="auto"`` reads
       a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
-      Defaults (8 queries, contrast 32, spread 4, auto layers) chosen on the
-      tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
+      Defaults (8 queries, contrast 32, spread 4, carry 16, auto layers) chosen on
+      the tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
     - ``"chunk"``: per layer and head the attention mass a chunk's positions
       receive, max over heads and layers (``aggregate="chunk", layers=None`` is
       the qk before 63110a5, over every paged layer).
@@ -58,7 +59,7 @@ class QKPolicy:
 
     def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5,
                  aggregate: Optional[str] = None, contrast: Optional[int] = None, spread: Optional[int] = None,
-                 layers="auto", carry: int = 0):
+                 layers="auto", carry: Optional[int] = None):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
         if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 256:
@@ -69,7 +70,7 @@ class QKPolicy:
             raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
         peak = aggregate == "peak" and mode == "keys"
         resolved = {}
-        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4), ("carry", carry, 0)):
+        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4), ("carry", carry, 16)):
             if v is None:
                 v = default if peak else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
