@@ -36,8 +36,8 @@ class QKPolicy:
       score of the N tokens before it: the value of a fact follows its key, so the
       chunk after a key that sits near a chunk edge ranks right behind the key's
       (a passkey split by a chunk edge, or its key at the end of one chunk and its
-      digits in the next).  The runtime then captures n_queries + contrast queries.  ``layers="auto"`` reads
-      a quarter of the paged layers but at least 8 (all when there are fewer):
+      digits in the next).  The runtime then captures n_queries + contrast queries.
+      ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
       Defaults (8 queries, contrast 32, spread 4, carry 16, auto layers) chosen on
       the tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
