@@ -51,6 +51,8 @@ def test_second_thread_on_one_runtime_is_refused(small):
                 err.append(repr(e))
         t = threading.Thread(target=work)
         t.start()
+        while t.is_alive() and rt.n_past == 0:  # poke only once the eval holds the runtime
+            pass
         refused = other = 0
         while t.is_alive():
             try:
@@ -79,6 +81,8 @@ def test_pager_view_refused_while_its_runtime_computes(small):
         pg = rt.pager
         t = threading.Thread(target=rt.eval, args=((np.arange(3000) % 250).astype(np.int32),))
         t.start()
+        while t.is_alive() and rt.n_past == 0:  # poke only once the eval holds the runtime
+            pass
         refused = 0
         while t.is_alive():
             try:
