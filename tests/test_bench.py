@@ -27,6 +27,7 @@ def tiny(tmp_path_factory):
     ("paging", ["--repeats", "1"]),
     ("decode", ["--contexts", "600,1024", "--repeats", "2", "--steps", "4", "--policy", "qk",
                 "--control", "kvflash"]),
+    ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -70,6 +71,22 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         # a growing session keeps its rescore phase across repeats: 4 periods + 1 hold 3 or 4 rescores
         assert kv["rescores"]["min"] >= 3 and kv["rescores"]["max"] >= 4 and rows[3]["rescores"]["max"] == 0, rows
         assert "x (" in kv["speed_ratio"] and "x (" in ctl["speed_ratio"]
+        assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
+    if routine == "prefill":
+        rows = data["results"][0]["rows"]
+        assert [r["mode"] for r in rows] == ["full", "kvflash", "kvflash (A/A control)"] * 2, rows
+        raw = [r for r in data["results"][0]["raw"] if r["context"] == 1024]
+        # each repeat runs every mode, in a rotated order, from a reset session
+        assert sorted(r["repeat"] for r in raw) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert [r["mode"] for r in raw if r["repeat"] == 1][0] != [r["mode"] for r in raw if r["repeat"] == 0][0]
+        for r in rows:
+            assert r["prefill_s"]["n"] == 3 and r["prefill_s"]["min"] > 0, r
+        kv, ctl = rows[4], rows[5]
+        full_s = {r["repeat"]: r["seconds"] for r in raw if r["mode"] == "full"}
+        kv_s = {r["repeat"]: r["seconds"] for r in raw if r["mode"] == "kvflash" and r["pool"] == 512}
+        want = sorted(full_s[i] / kv_s[i] for i in range(3))
+        assert kv["speed_ratio"] == f"{want[1]:.2f}x ({want[0]:.2f}-{want[2]:.2f})", (kv, want)
+        assert "x (" in ctl["speed_ratio"]
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "rescore":
         assert "drafter" in text and "qk" in text

@@ -31,7 +31,7 @@ PRESETS = {
     "standard": {
         "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
         "decode": dict(contexts=[1024, 2048, 4096, 8192, 16384, 32768], repeats=5, control="kvflash"),
-        "prefill": dict(contexts=[2048, 8192, 16384], repeats=2),
+        "prefill": dict(contexts=[2048, 8192, 16384], repeats=5, control="kvflash"),
         "memory": dict(contexts=[2048, 8192, 16384, 32768, 65536, 131072], pools=[512, 2048]),
         "paging": dict(pools=[512, 2048], repeats=5),
         "needle": dict(contexts=[4096, 8192], pools=[1024, 2048], needles=16),
@@ -43,7 +43,7 @@ PRESETS = {
     "long": {
         "*": dict(pools=[2048], repeats=3, decode_steps=32, needles=16, depths=[10, 50, 90]),
         "decode": dict(contexts=[2048, 8192, 32768, 65536, 131072], pools=[2048, 4096], control="kvflash"),
-        "prefill": dict(contexts=[16384, 32768, 65536], repeats=1),
+        "prefill": dict(contexts=[16384, 32768, 65536], repeats=5, control="kvflash"),
         "memory": dict(contexts=[8192, 32768, 131072, 262144], pools=[2048, 4096]),
         "paging": dict(pools=[2048, 4096], repeats=5),
         "needle": dict(contexts=[8192, 16384, 32768], pools=[2048, 4096], needles=16),
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ab: decode window in rescore periods of a scored policy (default 4; the window is "
                         "max(--steps, N x period + 1) tokens for every mode)")
     p.add_argument("--control", choices=["full", "kvflash"], default=None,
-                   help="ab, decode: the A/A control row's configuration (default: full in quick, kvflash in "
+                   help="ab, decode, prefill: the A/A control row's configuration (default: full in quick, kvflash in "
                         "standard and long, where a second full cache at 32K+ would double the run)")
     p.add_argument("--no-full", dest="needle_full", action="store_false", default=None,
                    help="needle: leave out the full-cache mode (its answers depend only on the prompts: an earlier "

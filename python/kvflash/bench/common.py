@@ -40,7 +40,7 @@ class BenchConfig:
     contexts: list = dataclasses.field(default_factory=lambda: [1024, 2048])
     decode_steps: int = 16
     rescore_periods: int = 4           # ab: the decode window spans this many rescore periods (+1 token)
-    control: str = "full"              # ab: the A/A control's configuration ("full" or "kvflash")
+    control: str = "full"              # ab, decode, prefill: the A/A control's configuration ("full" or "kvflash")
     needles: int = 2
     depths: list = dataclasses.field(default_factory=lambda: [10, 50, 90])
     answer_tokens: int = 12
