@@ -78,7 +78,7 @@ struct Cursor {
     template <class T> std::vector<T> vec() {
         const uint64_t k = get<uint64_t>();
         if (k > (n - at) / sizeof(T)) bad("an array longer than the section");
-        std::vector<T> v(size_t(k));
+        std::vector<T> v(static_cast<size_t>(k));
         std::memcpy(v.data(), p + at, size_t(k) * sizeof(T));
         at += size_t(k) * sizeof(T);
         return v;
