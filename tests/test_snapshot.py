@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tinygguf import write_small_llama, write_tiny_model  # noqa: E402
+from tinygguf import write_tiny_model  # noqa: E402
 
 MAX_CTX, POOL, PROMPT = 2048, 512, 1200   # the prompt is above the pool: chunks live on the host
 TAGS = ("HEAD", "PAGR", "POOL", "HOST", "RING", "QCAP", "SUMM", "TOKS", "LOGT", "SAMP", "APPS")
@@ -32,8 +32,12 @@ def models(tmp_path_factory):
     gem = d / "gemma3.gguf"
     write_tiny_model(gem, "gemma3", n_layer=6, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, seed=5,
                      gemma_sliding_window=96)
-    return {"llama": write_small_llama(d / "small.gguf", seed=3), "other": write_small_llama(d / "other.gguf", seed=4),
-            "gemma3": str(gem)}
+    # weight_scale 2: a random llama whose next tokens depend on its context (at 1 it repeats one token,
+    # whatever the cache holds)
+    llama = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, weight_type="f32", weight_scale=2.0)
+    write_tiny_model(d / "small.gguf", "llama", seed=3, **llama)
+    write_tiny_model(d / "other.gguf", "llama", seed=4, **llama)
+    return {"llama": str(d / "small.gguf"), "other": str(d / "other.gguf"), "gemma3": str(gem)}
 
 
 def _ids(n, seed=0):
@@ -98,6 +102,7 @@ def test_restart_round_trip_continues_with_the_uninterrupted_tokens(models, tmp_
     a.prefill(prompt)
     _gen(a, 16, **sampling)
     want = _gen(a, 64, **sampling)
+    want_logits = a.logits()
 
     b = _session(model, **kw)
     b.prefill(prompt)
@@ -115,13 +120,16 @@ def test_restart_round_trip_continues_with_the_uninterrupted_tokens(models, tmp_
             pass
         s.pager.check_invariants()
         print(json.dumps({{"n0": n0, "tokens": s.tokens[n0:], "host": s.pager.stats["host_chunks"],
-                          "rescored": s.stats["rescores"] - rescores}}))
+                          "rescored": s.stats["rescores"] - rescores, "logits": s.logits().tobytes().hex()}}))
     """)
     assert got["n0"] == PROMPT + 16
     assert got["host"] > 0
     if kw["policy"] != "lru":
         assert got["rescored"] > 0   # the policy ran on the restored state
     assert got["tokens"] == want
+    # and the logits after them, bit for bit (a tiny random model's greedy tokens can survive a
+    # wrong cache; its logits cannot)
+    assert bytes.fromhex(got["logits"]) == want_logits.tobytes()
 
 
 def test_loaded_state_is_the_saved_state(models, tmp_path):
@@ -158,6 +166,7 @@ def test_gemma3_sliding_window_ring_round_trip(models, tmp_path):
     a = _session(model)
     a.prefill(prompt)
     want = _gen(a, 64)
+    want_logits = a.logits()
     b = _session(model)
     assert b.runtime.swa_bytes > 0   # the ring exists
     b.prefill(prompt)
@@ -171,9 +180,10 @@ def test_gemma3_sliding_window_ring_round_trip(models, tmp_path):
         n0 = s.n_past
         for _ in s.generate(max_tokens=64, ignore_eos=True):
             pass
-        print(json.dumps({{"tokens": s.tokens[n0:]}}))
+        print(json.dumps({{"tokens": s.tokens[n0:], "logits": s.logits().tobytes().hex()}}))
     """)
     assert got["tokens"] == want
+    assert bytes.fromhex(got["logits"]) == want_logits.tobytes()
 
 
 def test_restore_into_a_used_session_replaces_its_context(models, tmp_path):
@@ -183,6 +193,7 @@ def test_restore_into_a_used_session_replaces_its_context(models, tmp_path):
     path = tmp_path / "s.kvsnap"
     a.save(path)
     want = _gen(a, 32)
+    want_logits = a.logits()
     t = _session(model)
     t.prefill(_ids(1500, 7))     # a longer, different context with more host chunks
     _gen(t, 5)
@@ -190,6 +201,7 @@ def test_restore_into_a_used_session_replaces_its_context(models, tmp_path):
     t.pager.check_invariants()
     assert t.n_past == PROMPT
     assert _gen(t, 32) == want
+    assert np.array_equal(t.logits(), want_logits)
 
 
 # ---------------------------------------------------------------- refusals
