@@ -330,6 +330,17 @@ def test_a_snapshot_of_another_geometry_is_refused(models, saved, what, model, k
     target.still_works()
 
 
+def test_a_host_store_too_small_for_the_snapshot_is_refused_before_anything_changes(models, saved):
+    # The snapshot needs more host buffers than this session's max_host_bytes allows: the
+    # reservation fails before the first byte is replaced.
+    target = _Target(models["llama"], max_host_bytes=6 * 17408)
+    assert 0 < target.s.pager.stats["host_chunks"] < 6
+    with pytest.raises(RuntimeError, match="host store full"):
+        target.s.restore(saved["path"])
+    target.unchanged()
+    target.still_works()
+
+
 def test_load_refuses_another_model_and_a_custom_policy_without_one(models, saved, tmp_path):
     import kvflash
     with pytest.raises(kvflash.SnapshotError, match="another model file"):
