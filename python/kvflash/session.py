@@ -157,7 +157,7 @@ class Session:
     >>> print("".join(s.chat([{"role": "user", "content": "What is the capital of France?"}])))
     """
 
-    def __init__(self, model: Union[str, os.PathLike] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
+    def __init__(self, model: Union[str, os.PathLike, "_core.Model"] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
                  kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "drafter",
                  drafter: Union[str, os.PathLike, None] = None, tau: int = 64, kv_type: str = "q8_0",
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
@@ -176,10 +176,17 @@ class Session:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
             raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
-        device = resolve_device(device)
-        self.model_path = resolve_model(model)
-        self.threads = threads or usable_cores()
-        self.model = _core.Model(str(self.model_path), self.threads, device=device)
+        if isinstance(model, _core.Model):
+            # Sessions may share one loaded Model (the server's slots): its compute is serialized
+            # per model, each session keeps its own pool and host store.
+            self.model_path = Path(model.path)
+            self.threads = threads or model.n_threads
+            self.model = model
+        else:
+            device = resolve_device(device)
+            self.model_path = resolve_model(model)
+            self.threads = threads or usable_cores()
+            self.model = _core.Model(str(self.model_path), self.threads, device=device)
         self.device = self.model.device
         hp = self.model.hparams
         self.hparams = hp
