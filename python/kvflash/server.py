@@ -12,7 +12,7 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE when ``stream``), 
 ``/health``, ``/metrics`` (Prometheus text), ``GET /slots``, ``POST /slots/{id}?action=save|restore|erase``.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads the route functions' annotations (Request) at run time.
 
 import asyncio
 import json
