@@ -109,4 +109,5 @@ PYBIND11_MODULE(_core, m) {
     RuntimeClass rt = bind_runtime(m);
     bind_scoring(rt);
     bind_gguf(m);
+    bind_snapshot(m, rt);
 }

@@ -147,6 +147,7 @@ public:
     const HostStore &host_store() const { return *host_; }
 
 private:
+    friend class Snapshot;   // snapshot.cpp reads and replaces the arrays whole
     bool protected_under(int32_t c, int64_t head) const;
     // Best victim among resident, unprotected chunks not in [lo, hi]; -1 if none.
     int32_t pick_victim(int64_t head, int32_t lo, int32_t hi) const;

@@ -124,6 +124,7 @@ public:
     const std::vector<float> &captured_queries() const { return captured_q_; }
 
 private:
+    friend class Snapshot;   // snapshot.cpp: the ring, n_past and the captured queries
     struct Graph;
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
     bool use_pool_attn(int32_t n) const;

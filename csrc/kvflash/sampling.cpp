@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <locale>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +28,22 @@ static void check_logits(const float *logits, int32_t n) {
         any_finite = any_finite || std::isfinite(x);
     }
     if (n <= 0 || !any_finite) throw std::invalid_argument("sample: no logit is finite: nothing to sample");
+}
+
+std::string Sampler::state() const {
+    std::ostringstream os;
+    os.imbue(std::locale::classic());
+    os << rng_;
+    return os.str();
+}
+
+void Sampler::set_state(const std::string &text) {
+    std::istringstream is(text);
+    is.imbue(std::locale::classic());
+    std::mt19937_64 r;
+    is >> r;
+    if (is.fail() || !(is >> std::ws).eof()) throw std::invalid_argument("sampler state: not a generator's state");
+    rng_ = r;
 }
 
 int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {

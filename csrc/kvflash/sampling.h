@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace kvflash {
@@ -22,6 +23,10 @@ class Sampler {
 public:
     explicit Sampler(uint64_t seed = 0) : rng_(seed) {}
     void seed(uint64_t s) { rng_.seed(s); }
+    // The generator's whole state as text (a snapshot's SAMP section), and back:
+    // set_state throws std::invalid_argument for text state() did not write.
+    std::string state() const;
+    void set_state(const std::string &text);
     // logits: n floats.  Precondition: params validated by the caller.  Throws
     // std::invalid_argument for a NaN or +inf logit, or when none is finite.
     int32_t sample(const float *logits, int32_t n, const SamplerParams &p);

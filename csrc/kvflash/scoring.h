@@ -28,6 +28,7 @@ public:
     void qk_scores(const Runtime &rt, QKMode mode, float *out, int32_t n) const;
 
 private:
+    friend class Snapshot;
     // [n_chunks][n_paged][n_embd_k] each
     std::vector<float> min_, max_, mean_;
     std::vector<uint8_t> ready_;

@@ -11,7 +11,8 @@ chunks hold the slots.
 """
 from __future__ import annotations
 
-from ._core import Model, Pager, Runtime, build_info, cuda_available, ggml_commit, ggml_version, min_pool_tokens
+from ._core import (Model, Pager, Runtime, SnapshotError, build_info, cuda_available, ggml_commit, ggml_version,
+                    min_pool_tokens)
 from .models import DEFAULT_MODEL, list_models, resolve_model
 from .policies import ChunkView, LRUPolicy, Policy
 from .session import Session
@@ -20,4 +21,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Session", "Pager", "Model", "Runtime", "Policy", "ChunkView", "LRUPolicy", "resolve_model",
            "list_models", "DEFAULT_MODEL", "min_pool_tokens", "ggml_version", "ggml_commit", "cuda_available",
-           "build_info", "__version__"]
+           "build_info", "SnapshotError", "__version__"]

@@ -5,8 +5,9 @@ import argparse
 import sys
 
 
-def _session_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="model name (see `kvflash models`) or GGUF path")
+def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    if model_flag:
+        p.add_argument("-m", "--model", default=None, help="model name (see `kvflash models`) or GGUF path")
     p.add_argument("--max-ctx", type=int, default=None, help="logical context (default: the model's trained one)")
     p.add_argument("--kvflash", default="auto", help="pool size in tokens, 'auto', or 'off' for the full cache")
     p.add_argument("--kvflash-policy", default="drafter", help="drafter | lru | qk | qk-bound | qk-mean")
@@ -20,17 +21,21 @@ def _session_args(p: argparse.ArgumentParser) -> None:
                    "and a device is visible)")
 
 
+def _pool_arg(value: str):
+    """--kvflash: an integer pool size, 'auto', or 'off' (the full cache: None)."""
+    if value in ("off", "none", "full"):
+        return None
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {value!r}") from None
+
+
 def _make_session(a):
     from . import DEFAULT_MODEL, Session
-    pool = a.kvflash
-    if pool in ("off", "none", "full"):
-        pool = None
-    elif pool != "auto":
-        try:
-            pool = int(pool)
-        except ValueError:
-            raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {a.kvflash!r}")
-    return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=pool, policy=a.kvflash_policy,
+    return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device)
 
@@ -80,6 +85,15 @@ def main(argv=None) -> int:
     _session_args(c)
     c.add_argument("-n", "--max-tokens", type=int, default=512)
     sub.add_parser("models", help="list the models kvflash can fetch by name")
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    sv.add_argument("model", help="model name (see `kvflash models`) or GGUF path")
+    _session_args(sv, model_flag=False)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --api-key)")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--parallel", type=int, default=1, help="slots: sessions over the one model, a pool each")
+    sv.add_argument("--slot-save-path", default=None, help="directory for POST /slots/{id}?action=save|restore")
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    sv.add_argument("--alias", default=None, help="the model's name in the API (default: the file's stem)")
     sub.add_parser("bench", help="benchmarks (see `kvflash bench --help`)")
     a = ap.parse_args(argv)
     try:
@@ -87,6 +101,9 @@ def main(argv=None) -> int:
             from .models import format_models, list_models
             print(format_models(list_models()))
             return 0
+        if a.cmd == "serve":
+            from .server import serve
+            return serve(a)
         s = _make_session(a)
         if a.cmd == "generate":
             kw = dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p)

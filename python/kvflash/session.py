@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import sys
 import threading
@@ -81,6 +82,74 @@ def find_drafter(model_path: Path) -> Optional[Path]:
     return None
 
 
+SNAPSHOT_APP_VERSION = 1   # the layout of the session's own JSON inside a snapshot (its APPS section)
+
+
+def _read_snapshot(path):
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"snapshot {p} does not exist")
+    return _core.Snapshot.read(p)
+
+
+def _snapshot_app(snap, path) -> dict:
+    """The session's JSON from a snapshot, checked (SnapshotError when it is not ours)."""
+    bad = _core.SnapshotError(f"snapshot {os.fspath(path)} holds no kvflash Session state (it was not written by "
+                              f"Session.save, or by a version this one does not read)")
+    try:
+        app = json.loads(snap.app.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise bad from None
+    if not isinstance(app, dict) or app.get("kvflash_session") != SNAPSHOT_APP_VERSION:
+        raise bad
+    try:
+        cfg, pol, st = app["config"], app["policy"], app["state"]
+        ok = (isinstance(cfg, dict) and isinstance(pol, dict) and isinstance(st, dict)
+              and set(cfg) == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens", "sink_chunks",
+                               "tail_window_chunks", "ubatch", "reeval_tokens", "seed", "allow_long_ctx"}
+              and isinstance(st["since_rescore"], int) and isinstance(st["rescores"], int)
+              and (st["last_scores"] is None or isinstance(st["last_scores"], list)))
+    except KeyError:
+        ok = False
+    if not ok:
+        raise bad
+    return app
+
+
+def _policy_spec(policy) -> dict:
+    """A policy's name and settings, enough to make it again (custom objects: the name only)."""
+    from . import scoring
+    if isinstance(policy, LRUPolicy):
+        return {"name": "lru"}
+    if isinstance(policy, scoring.QKPolicy):
+        return {"name": policy.name, "qk": dict(mode=policy.mode, n_queries=policy.n_queries,
+                                                smooth_width=policy.smooth_width, aggregate=policy.aggregate,
+                                                contrast=policy.contrast, spread=policy.spread,
+                                                layers=policy.layers, carry=policy.carry)}
+    if isinstance(policy, scoring.DrafterPolicy):
+        return {"name": "drafter", "drafter": dict(path=policy.path, n_queries=policy.n_queries,
+                                                   smooth_width=policy.smooth_width, kv_type=policy.kv_type,
+                                                   layers=policy.layers, pool=policy.pool,
+                                                   aggregate=policy.aggregate, contrast=policy.contrast,
+                                                   spread=policy.spread)}
+    return {"name": policy.name, "custom": True}
+
+
+def _policy_from_spec(spec: dict, drafter, path):
+    from . import scoring
+    name = spec.get("name")
+    if name == "lru":
+        return LRUPolicy()
+    if "qk" in spec:
+        return scoring.QKPolicy(**spec["qk"])
+    if "drafter" in spec:
+        kw = dict(spec["drafter"])
+        where = kw.pop("path")
+        return scoring.DrafterPolicy(drafter if drafter is not None else where, **kw)
+    raise ValueError(f"snapshot {os.fspath(path)} was taken with the custom policy {name!r}: pass policy= (an object "
+                     f"named {name!r}) to Session.load")
+
+
 class Session:
     """One conversation's state over a GGUF model, with the KV cache in a paged pool.
 
@@ -88,7 +157,7 @@ class Session:
     >>> print("".join(s.chat([{"role": "user", "content": "What is the capital of France?"}])))
     """
 
-    def __init__(self, model: Union[str, os.PathLike] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
+    def __init__(self, model: Union[str, os.PathLike, "_core.Model"] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
                  kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "drafter",
                  drafter: Union[str, os.PathLike, None] = None, tau: int = 64, kv_type: str = "q8_0",
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
@@ -107,10 +176,17 @@ class Session:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
             raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
-        device = resolve_device(device)
-        self.model_path = resolve_model(model)
-        self.threads = threads or usable_cores()
-        self.model = _core.Model(str(self.model_path), self.threads, device=device)
+        if isinstance(model, _core.Model):
+            # Sessions may share one loaded Model (the server's slots): its compute is serialized
+            # per model, each session keeps its own pool and host store.
+            self.model_path = Path(model.path)
+            self.threads = threads or model.n_threads
+            self.model = model
+        else:
+            device = resolve_device(device)
+            self.model_path = resolve_model(model)
+            self.threads = threads or usable_cores()
+            self.model = _core.Model(str(self.model_path), self.threads, device=device)
         self.device = self.model.device
         hp = self.model.hparams
         self.hparams = hp
@@ -153,6 +229,10 @@ class Session:
             # or the stream would meet an id it cannot decode.
             self.runtime.sample_vocab = self.tokenizer.n_vocab
         self.seed = seed
+        # What Session.load needs to build a session a snapshot fits (the rest is in the snapshot's header).
+        self._config = dict(max_ctx=max_ctx, kvflash=pool if pool > 0 else None, tau=tau, kv_type=kv_type,
+                            chunk_tokens=chunk_tokens, sink_chunks=sink_chunks, tail_window_chunks=tail_window_chunks,
+                            ubatch=ubatch, reeval_tokens=reeval_tokens, seed=seed, allow_long_ctx=allow_long_ctx)
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
         self.kvflash = pool > 0
@@ -573,6 +653,79 @@ class Session:
         self.last_scores = None
         if hasattr(self.policy, "reset"):
             self.policy.reset()
+
+    # ------------------------------------------------------------------ snapshots
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the whole session to a snapshot file: the chunk table, the pool's rows, the host
+        store's chunks, gemma3's sliding-window ring, the captured queries, the token history,
+        the last logits, the sampler's generator and the policy's settings.
+
+        Atomic: a temporary file beside ``path``, fsynced, then renamed over it; when the write
+        fails (RuntimeError naming the OS error) ``path`` is as it was.  Refused (RuntimeError)
+        while a generate() iterator is open.  The drafter policy's own cache is not saved:
+        it is rebuilt by re-feeding the history at the first rescore after a load.
+        """
+        with self._using("save"):
+            app = {"kvflash_session": SNAPSHOT_APP_VERSION, "model": str(self.model_path), "config": self._config,
+                   "policy": _policy_spec(self.policy),
+                   "state": {"since_rescore": self._since_rescore, "rescores": self._rescores,
+                             "last_scores": None if self.last_scores is None else [float(x) for x in self.last_scores]}}
+            self.runtime.save_snapshot(os.fspath(path), np.asarray(self._tokens, dtype=np.int32), self._last_logits,
+                                       json.dumps(app).encode())
+
+    def restore(self, path: Union[str, os.PathLike]) -> None:
+        """Replace this session's context with a snapshot's (``save``).
+
+        The snapshot must fit: the same model file (by fingerprint), KV type, chunk geometry,
+        pool size, max_ctx and policy; anything else is refused with a ValueError naming what
+        differs (``kvflash.SnapshotError``), as is a truncated or corrupted file, and the
+        session is left exactly as it was.  This session's own schedule settings (tau,
+        reeval_tokens) apply from here on.
+        """
+        with self._using("restore"):
+            snap = _read_snapshot(path)
+            self._restore(snap, _snapshot_app(snap, path))
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], model: Union[str, os.PathLike], *,
+             policy: Union[str, Policy, None] = None, drafter: Union[str, os.PathLike, None] = None,
+             threads: Optional[int] = None, device: str = "auto", host: str = "ram",
+             host_path: Union[str, os.PathLike, None] = None, max_host_bytes: Optional[int] = None,
+             verbose: bool = False) -> "Session":
+        """A new Session over ``model`` (a path or a model name) holding a snapshot's context.
+
+        The geometry (max_ctx, pool, KV type, chunks, ubatch, tau) and the policy come from the
+        snapshot; what does not change the state (threads, device, host backing, the host cap)
+        is chosen here.  ``policy``: needed when the snapshot's policy was a custom object (it
+        must have the snapshot's policy name).  Refusals as in ``restore``.
+        """
+        snap = _read_snapshot(path)
+        app = _snapshot_app(snap, path)
+        cfg = dict(app["config"])
+        if policy is None:
+            policy = _policy_from_spec(app["policy"], drafter, path)
+        s = cls(model, policy=policy, drafter=drafter, threads=threads, device=device, host=host, host_path=host_path,
+                max_host_bytes=max_host_bytes, verbose=verbose, **cfg)
+        s._restore(snap, app)
+        return s
+
+    def _restore(self, snap, app: dict) -> None:
+        want = app["policy"].get("name")
+        if want != self.policy.name:
+            raise _core.SnapshotError(f"snapshot does not fit this session: the policy differs (the file has "
+                                      f"{want!r}, this session {self.policy.name!r})")
+        st = app["state"]
+        tokens = [int(t) for t in snap.tokens]
+        logits = snap.logits
+        last_scores = None if st["last_scores"] is None else np.asarray(st["last_scores"], dtype=np.float32)
+        since, rescores = int(st["since_rescore"]), int(st["rescores"])
+        snap.apply(self.runtime)   # checks everything, then replaces the native state (or raises, nothing changed)
+        self._tokens = tokens
+        self._last_logits = None if logits is None else np.array(logits, dtype=np.float32)
+        self._since_rescore, self._rescores, self.last_scores = since, rescores, last_scores
+        self.finish_reason = None
+        if hasattr(self.policy, "reset"):
+            self.policy.reset()    # the drafter re-feeds the history at its next rescore
 
     # ------------------------------------------------------------------ stats
     @property

@@ -1,0 +1,95 @@
+// Session snapshots (snapshot.h): Runtime.save_snapshot, Snapshot.read / check / apply.
+#include <stdexcept>
+
+#include "bindings.h"
+#include "kvflash/snapshot.h"
+
+namespace kvflash::bindings {
+
+namespace {
+
+py::dict header_dict(const SnapshotHeader &h) {
+    py::dict d;
+    d["fingerprint"] = h.fingerprint; d["model_bytes"] = h.model_bytes;
+    d["arch"] = h.arch; d["kv_type"] = h.kv_type; d["n_layer"] = h.n_layer; d["eval_layers"] = h.eval_layers;
+    d["chunk_tokens"] = h.chunk_tokens; d["pool_tokens"] = h.pool_tokens; d["sink_chunks"] = h.sink_chunks;
+    d["tail_window_chunks"] = h.tail_window_chunks; d["swa_tokens"] = h.swa_tokens;
+    d["n_swa_layers"] = h.n_swa_layers; d["capture_queries"] = h.capture_queries; d["max_ctx"] = h.max_ctx;
+    d["n_past"] = h.n_past; d["chunk_bytes"] = h.chunk_bytes; d["full_cache"] = bool(h.full_cache);
+    d["summaries"] = bool(h.summaries); d["paged_layers"] = h.paged_layers;
+    d["row_bytes_k"] = h.row_bytes_k; d["row_bytes_v"] = h.row_bytes_v;
+    return d;
+}
+
+}  // namespace
+
+void bind_snapshot(py::module_ &m, RuntimeClass &cls) {
+    // A ValueError: a file that is not a snapshot, or one that does not fit the session.
+    py::register_exception<SnapshotError>(m, "SnapshotError", PyExc_ValueError);
+    m.attr("SNAPSHOT_VERSION") = kSnapshotVersion;
+    m.def("model_fingerprint", [](py::object path) {
+              const std::string p = py::str(path).cast<std::string>();
+              py::gil_scoped_release nogil;
+              return model_fingerprint(p);
+          }, py::arg("path"),
+          "64-bit fingerprint of a GGUF file: its size, its first 4 MiB and 1 MiB at the middle and the end.");
+
+    cls.def("save_snapshot", [](PyRuntime &r, py::object path, py::array tokens, py::object logits, py::bytes app) {
+            InUse use(&r.busy);
+            SnapshotSession s;
+            auto t = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
+            if (!t || t.ndim() != 1) throw std::invalid_argument("save_snapshot: tokens must be a 1-D array of ids");
+            s.tokens.assign(t.data(), t.data() + t.shape(0));
+            if (!logits.is_none()) {
+                auto l = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(logits);
+                if (!l || l.ndim() != 1) throw std::invalid_argument("save_snapshot: logits must be a 1-D float array");
+                s.logits.assign(l.data(), l.data() + l.shape(0));
+            }
+            s.sampler = r.sampler;
+            s.app = std::string(app);
+            const std::string p = py::str(path).cast<std::string>();
+            py::gil_scoped_release nogil;
+            Snapshot::save(*r.rt, r.summaries.get(), s, p);
+        }, py::arg("path"), py::arg("tokens"), py::arg("logits") = py::none(), py::arg("app") = py::bytes(),
+        "Write the cache's whole state, the sampler and the caller's tokens, logits and app bytes to path, "
+        "atomically (a temporary file beside it, fsynced, then renamed).");
+
+    py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot", R"doc(
+A snapshot file read into memory and checked (magic, version, section lengths and
+checksums, the chunk table's invariants): Snapshot.read(path).  check(runtime) names
+the first thing that does not fit the runtime; apply(runtime) checks, then replaces
+the runtime's cache and sampler with the snapshot's.  SnapshotError (a ValueError)
+for every refusal, and a refusal changes nothing.
+)doc")
+        .def_static("read", [](py::object path) {
+            const std::string p = py::str(path).cast<std::string>();
+            py::gil_scoped_release nogil;
+            return std::make_shared<Snapshot>(Snapshot::read(p));
+        }, py::arg("path"))
+        .def_property_readonly("header", [](const Snapshot &s) { return header_dict(s.header()); })
+        .def_property_readonly("tokens", [](const Snapshot &s) {
+            const auto &t = s.session().tokens;
+            return py::array_t<int32_t>(py::ssize_t(t.size()), t.data());
+        })
+        .def_property_readonly("logits", [](const Snapshot &s) -> py::object {
+            const auto &l = s.session().logits;
+            if (l.empty()) return py::none();
+            return py::array_t<float>(py::ssize_t(l.size()), l.data());
+        })
+        .def_property_readonly("app", [](const Snapshot &s) { return py::bytes(s.session().app); })
+        .def("check", [](const Snapshot &s, PyRuntime &r) {
+            InUse use(&r.busy);
+            s.check(*r.rt, r.summaries.get());
+        }, py::arg("runtime"))
+        .def("apply", [](const Snapshot &s, PyRuntime &r) {
+            InUse use(&r.busy);
+            {
+                py::gil_scoped_release nogil;
+                s.apply(*r.rt, r.summaries.get());
+            }
+            r.sampler = s.session().sampler;
+            r.logits = s.session().logits;
+        }, py::arg("runtime"));
+}
+
+}  // namespace kvflash::bindings

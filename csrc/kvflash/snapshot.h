@@ -1,0 +1,109 @@
+// Session snapshots: a runtime's whole cache state in one versioned, checksummed file,
+// so a long context survives a restart without being prefilled again.
+//
+// A snapshot holds the chunk table (the pager's arrays, its free list and counters),
+// the occupied prefix of the pool's rows, the host store's copy of every chunk that
+// has one, the sliding-window ring (gemma3), the captured queries, the chunk summaries
+// (qk-bound / qk-mean), and beside them what the caller adds (SnapshotSession: the
+// token history, the last logits, the sampler's generator, an opaque blob for the
+// caller's own state).  KV bytes are copied raw: bit-exact both ways.
+//
+// File (all integers little-endian):
+//   preamble  "KVFLSNAP" | u32 format version | u32 section count
+//   sections  in a fixed order, each tag[4] | u32 crc32 of the payload | u64 length | payload
+//     HEAD  model fingerprint, architecture, KV type, chunk geometry, max_ctx, n_past
+//     PAGR  chunk table          POOL  pool rows       HOST  host-held chunks
+//     RING  sliding-window ring  QCAP  captured queries SUMM  chunk summaries
+//     TOKS  token history        LOGT  last logits      SAMP  sampler state    APPS  caller's blob
+//
+// Reading is two-phase: read_snapshot() parses and checks the whole file (magic,
+// version, lengths, checksums, internal consistency) into memory; check() compares it
+// with a runtime and names the first thing that differs; apply() checks again and only
+// then replaces the runtime's state.  Every refusal is a SnapshotError (a
+// std::invalid_argument: ValueError in Python) and changes nothing.
+//
+// Writing is atomic: a temporary file in the destination's directory, written, fsynced,
+// then renamed over the destination (and the directory fsynced); on any failure the
+// temporary file is removed and the destination is as it was.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvflash/runtime.h"
+#include "kvflash/sampling.h"
+#include "kvflash/scoring.h"
+
+namespace kvflash {
+
+constexpr uint32_t kSnapshotVersion = 1;
+
+// A file that is not a snapshot this build reads, or one that does not fit the runtime.
+struct SnapshotError : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+};
+
+// CRC-32 (IEEE 802.3, zlib's crc32) of n bytes, continuing from crc.
+uint32_t crc32(const uint8_t *data, size_t n, uint32_t crc = 0);
+
+// 64-bit fingerprint of a GGUF file, cheap at any size: its byte size, its first 4 MiB
+// (header, metadata, the first tensors) and 1 MiB at the middle and at the end (tensor
+// data); the whole file when it is below 6 MiB.  std::runtime_error if it cannot be read.
+uint64_t model_fingerprint(const std::string &path);
+
+// What the caller keeps beside the runtime.
+struct SnapshotSession {
+    std::vector<int32_t> tokens;  // the history: tokens.size() == n_past
+    std::vector<float> logits;    // after the last token (empty: none)
+    Sampler sampler;              // the seeded generator, as it stands
+    std::string app;              // opaque to the core (the Python session's JSON)
+};
+
+// The geometry a runtime's state depends on (HEAD).  A snapshot fits a runtime when every
+// field but n_past agrees.
+struct SnapshotHeader {
+    uint64_t fingerprint = 0, model_bytes = 0;
+    std::string arch, kv_type;
+    int32_t n_layer = 0, eval_layers = 0, chunk_tokens = 0, pool_tokens = 0, sink_chunks = 0, tail_window_chunks = 0;
+    int32_t swa_tokens = 0, n_swa_layers = 0, capture_queries = 0;
+    int64_t max_ctx = 0, n_past = 0;
+    uint64_t chunk_bytes = 0;
+    uint8_t full_cache = 0, summaries = 0;
+    std::vector<int32_t> paged_layers;             // model layer of each pool layer
+    std::vector<uint64_t> row_bytes_k, row_bytes_v;  // per pool layer
+};
+
+class Snapshot {
+public:
+    // The header rt would write (summaries: its observer, or nullptr); reads the model
+    // file for the fingerprint.
+    static SnapshotHeader header_of(const Runtime &rt, const ChunkSummaries *summaries);
+    // Write rt's state and s to path, atomically.  std::runtime_error naming the OS error
+    // (path is left as it was), std::invalid_argument when s.tokens disagrees with n_past.
+    static void save(const Runtime &rt, const ChunkSummaries *summaries, const SnapshotSession &s,
+                     const std::string &path);
+    // Reads and checks the whole file; SnapshotError for anything wrong with it
+    // (std::runtime_error when it cannot be opened or read).
+    static Snapshot read(const std::string &path);
+
+    const SnapshotHeader &header() const { return head_; }
+    const SnapshotSession &session() const { return sess_; }
+    // SnapshotError naming the first field where the snapshot and rt (with summaries,
+    // its observer or nullptr) differ.
+    void check(const Runtime &rt, const ChunkSummaries *summaries) const;
+    // check(), reserve the host buffers (HostStoreFull / bad_alloc: nothing changed),
+    // then replace rt's cache state with the snapshot's.
+    void apply(Runtime &rt, ChunkSummaries *summaries) const;
+
+    struct Body;
+
+private:
+    SnapshotHeader head_;
+    SnapshotSession sess_;
+    std::shared_ptr<const Body> body_;
+};
+
+}  // namespace kvflash
