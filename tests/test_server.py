@@ -1,5 +1,6 @@
 """kvflash serve (issue 17): real clients (the openai package and plain httpx) against a server the
-test starts on a free loopback port.  Skipped without the serve extra (pip install 'kvflash[serve]')."""
+test starts on a free loopback port.  The test extra pulls in the serve extra, so a missing server
+dependency fails here instead of skipping (CI must run these)."""
 from __future__ import annotations
 
 import json
@@ -15,10 +16,11 @@ import pytest
 
 pytest.importorskip("kvflash._core")
 pytest.importorskip("gguf")
-for _mod in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
-    pytest.importorskip(_mod)
+import fastapi  # noqa: E402,F401  (the server's own stack: installed by the test extra)
 import httpx  # noqa: E402
 import openai  # noqa: E402
+import prometheus_client  # noqa: E402,F401
+import uvicorn  # noqa: E402,F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
