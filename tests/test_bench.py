@@ -28,6 +28,9 @@ def tiny(tmp_path_factory):
     ("decode", ["--contexts", "600,1024", "--repeats", "2", "--steps", "4", "--policy", "qk",
                 "--control", "kvflash"]),
     ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
+    ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
+    ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
+               "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -90,6 +93,34 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "rescore":
         assert "drafter" in text and "qk" in text
+    if routine == "snapshot":
+        res = data["results"][0]
+        ops = ["prefill", "save", "restore", "restore_again", "restore_cold", "load"]
+        assert [(r["context"], r["op"]) for r in res["rows"]] == [(D, op) for D in (600, 1024) for op in ops]
+        for r in res["rows"]:
+            assert r["seconds"]["n"] == 2 and r["seconds"]["min"] > 0, r
+            if r["op"] == "save":   # the file holds at least the KV the session holds
+                assert r["file_mib"] > 0.9 * r["kv_mib"] > 0 and r["full_kv_mib"] > 0, r
+            if r["op"] == "restore":   # restored logits and the next greedy tokens equal the saved session's
+                assert r["exact"] == "yes", r
+            if r["op"] != "prefill":
+                assert r["vs_prefill"].endswith("%)"), r
+        raw = res["raw"]   # each repeat: its own prefill, and the file's size is what was written
+        assert len(raw) == 4 and all(x["file_bytes"] > 0 and x["prefill"] > 0 for x in raw)
+        assert sum("A/A restore" in n for n in res["notes"]) == 2
+    if routine == "serve":
+        res = data["results"][0]
+        rows = res["rows"]
+        assert [r["what"] for r in rows] == ["decode"] * 3 + ["4 concurrent clients"], rows
+        for r in rows[:3]:   # greedy: the HTTP stream's text is the in-process run's, every round
+            assert r["decode_tok_s"]["n"] == 2 and r["decode_tok_s"]["min"] > 0 and r["same_text"] == "yes", r
+        assert "x (" in rows[0]["ratio"] and "x (" in rows[2]["ratio"] and rows[1].get("ratio") is None
+        cc = rows[3]
+        assert cc["done"] == "8 / 0", cc
+        assert 0 < cc["ttft_p50"] <= cc["ttft_p95"] and cc["latency_p95"] >= cc["ttft_p95"], cc
+        raw = [x for x in res["raw"] if x["what"] == "concurrent"]
+        assert len({tuple(x.items()) for x in raw}) == 8 and all(x["tokens"] == 6 for x in raw)
+        assert any("A/A control" in n for n in res["notes"])
     if routine == "paging":
         ops = {r["op"]: r for r in data["results"][0]["rows"]}
         for op in ("page_out_cold", "page_out_warm", "page_in_cold", "page_in_warm", "reselect_noop"):

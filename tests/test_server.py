@@ -129,6 +129,7 @@ def test_chat_with_the_openai_client(server):
     ({"prompt": [5] * 3000}, 400, "context"),
     ({"prompt": 7}, 400, "prompt must be"),
     ({"prompt": [99999]}, 400, "outside"),
+    ({"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, match):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
@@ -139,6 +140,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     assert httpx.get(server.base + "/health").json()["status"] == "ok"
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
+
+
+def test_ignore_eos_reaches_generate():
+    """llama.cpp's ignore_eos extension: a boolean, handed to Session.generate (the bench's fixed-length
+    streams rely on it); off by default."""
+    from kvflash.server import _sampling
+    assert _sampling({"ignore_eos": True}, 16)["ignore_eos"] is True
+    assert _sampling({}, 16)["ignore_eos"] is False
 
 
 def test_eight_concurrent_streaming_clients_on_two_slots(server):

@@ -122,12 +122,15 @@ def _sampling(body: dict, default_max: int) -> dict:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ApiError(400, f"seed must be a non-negative integer, got {seed!r}", param="seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"ignore_eos must be true or false, got {ignore_eos!r}", param="ignore_eos")
     return dict(max_tokens=_number(body, "max_tokens", default_max, 0, integer=True),
                 temperature=float(_number(body, "temperature", 1.0, 0, 2)),
                 top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
                 top_k=_number(body, "top_k", 0, 0, integer=True),
                 min_p=float(_number(body, "min_p", 0.0, 0, 0.999)),
-                stop=stop, seed=seed)
+                stop=stop, seed=seed, ignore_eos=ignore_eos)
 
 
 def _finish(reason: Optional[str]) -> str:
@@ -164,7 +167,7 @@ def _work(slot: Slot, ids: list, sp: dict, put, cancel: threading.Event) -> None
         _prepare(s, ids)
         n_prompt = s.n_past
         t0 = time.perf_counter()
-        gen = s.generate(None, ignore_eos=False, **sp)
+        gen = s.generate(None, **sp)
         try:
             for piece in gen:
                 if cancel.is_set():

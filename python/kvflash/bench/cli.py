@@ -11,8 +11,8 @@ from typing import Optional
 
 from .common import BenchConfig, log, machine_info
 
-ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle", "rescore"]
-ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "rescore", "ab"]
+ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve"]
+ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
 PRESETS = {
@@ -26,6 +26,8 @@ PRESETS = {
         "needle": dict(),
         "rescore": dict(contexts=[2048], repeats=1, policies=["qk", "drafter"]),
         "ab": dict(contexts=[1024], needles=5),  # ≥ 5 interleaved trials, 3 modes: ~4 min here
+        "snapshot": dict(contexts=[1024, 2048]),
+        "serve": dict(contexts=[1024], decode_steps=64, clients=4, client_prompt=256, client_tokens=16),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -38,6 +40,10 @@ PRESETS = {
         "rescore": dict(contexts=[8192], pools=[768], repeats=2, policies=["qk", "drafter"]),
         # ~75 min on 2 cores: each full-cache trial at 32K prefills 32K tokens (~20 min).
         "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=5, control="kvflash"),
+        # ~30 min on 2 cores: five pooled prefills of 32K (~4 min each)
+        "snapshot": dict(contexts=[8192, 32768], repeats=5),
+        "serve": dict(contexts=[4096], repeats=5, decode_steps=128, clients=8, parallel=2, client_prompt=512,
+                      client_tokens=32),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {
@@ -138,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "run with the same --split, --seed, contexts and trials has them)")
     p.add_argument("--tail-chunks", type=int, default=None,
                    help="kvflash sessions' tail window in chunks, always resident (default: the Session's, 4)")
+    p.add_argument("--clients", type=int, default=None,
+                   help="serve: concurrent streaming clients (default 8 in standard)")
+    p.add_argument("--parallel", type=int, default=None, help="serve: the server's slots for them (default 2)")
+    p.add_argument("--client-prompt", type=int, default=None,
+                   help="serve: prompt tokens per concurrent client, each prompt distinct (default 512 in standard)")
+    p.add_argument("--client-tokens", type=int, default=None,
+                   help="serve: tokens each concurrent client asks for (default 32 in standard)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -176,7 +189,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("rescore_periods", "rescore_periods"), ("control", "control"), ("split", "split"),
                     ("haystacks", "haystacks"), ("memory_prefill", "memory_prefill"),
                     ("memory_cells", "memory_cells"), ("needle_full", "needle_full"),
-                    ("tail_chunks", "tail_chunks")]:
+                    ("tail_chunks", "tail_chunks"), ("clients", "clients"), ("parallel", "parallel"),
+                    ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -185,7 +199,8 @@ def config_for(args, routine: str) -> BenchConfig:
 
 
 def _validate(p: argparse.ArgumentParser, args) -> None:
-    for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods"):
+    for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods", "clients", "parallel",
+              "client_prompt", "client_tokens"):
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
