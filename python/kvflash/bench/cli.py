@@ -11,8 +11,8 @@ from typing import Optional
 
 from .common import BenchConfig, log, machine_info
 
-ROUTINE_NAMES = ["ab", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve"]
-ALL_ORDER = ["memory", "paging", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
+ROUTINE_NAMES = ["ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve"]
+ALL_ORDER = ["memory", "paging", "attention", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
 PRESETS = {
@@ -28,6 +28,7 @@ PRESETS = {
         "ab": dict(contexts=[1024], needles=5),  # ≥ 5 interleaved trials, 3 modes: ~4 min here
         "snapshot": dict(contexts=[1024, 2048]),
         "serve": dict(contexts=[1024], decode_steps=64, clients=4, client_prompt=256, client_tokens=16),
+        "attention": dict(pools=[512, 2048], repeats=5),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -42,6 +43,7 @@ PRESETS = {
         "ab": dict(contexts=[2048, 8192, 16384, 32768], needles=5, control="kvflash"),
         # ~30 min on 2 cores: five pooled prefills of 32K (~4 min each)
         "snapshot": dict(contexts=[8192, 32768], repeats=5),
+        "attention": dict(pools=[512, 1024, 2048, 4096, 8192], repeats=9, attn_kv_types=["q8_0", "q4_0", "f16"]),
         "serve": dict(contexts=[4096], repeats=5, decode_steps=128, clients=8, parallel=2, client_prompt=512,
                       client_tokens=32),
     },
@@ -55,6 +57,10 @@ PRESETS = {
         "needle": dict(contexts=[8192, 16384, 32768], pools=[2048, 4096], needles=16),
         "rescore": dict(contexts=[8192, 32768], pools=[2048], repeats=2, policies=["qk", "drafter"]),
         "ab": dict(contexts=[32768, 65536, 131072], needles=8, control="kvflash"),
+        "snapshot": dict(contexts=[32768, 131072], repeats=5),
+        "attention": dict(pools=[2048, 8192, 16384, 32768], repeats=9, attn_kv_types=["q8_0", "q4_0", "f16"]),
+        "serve": dict(contexts=[16384], repeats=5, decode_steps=128, clients=16, parallel=4, client_prompt=2048,
+                      client_tokens=64),
     },
 }
 
@@ -151,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve: prompt tokens per concurrent client, each prompt distinct (default 512 in standard)")
     p.add_argument("--client-tokens", type=int, default=None,
                    help="serve: tokens each concurrent client asks for (default 32 in standard)")
+    p.add_argument("--kv-types", type=_str_list, default=None,
+                   help="attention: KV types compared, comma list of f16, q8_0, q4_0 (default q8_0; standard all three)")
+    p.add_argument("--thread-counts", type=_int_list, default=None,
+                   help="attention: thread counts, comma list (default 1,2)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -190,7 +200,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("haystacks", "haystacks"), ("memory_prefill", "memory_prefill"),
                     ("memory_cells", "memory_cells"), ("needle_full", "needle_full"),
                     ("tail_chunks", "tail_chunks"), ("clients", "clients"), ("parallel", "parallel"),
-                    ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens")]:
+                    ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens"),
+                    ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -207,6 +218,9 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     bad_c = [c for c in (args.memory_cells or []) if c not in ("full", "ram", "file", "auto")]
     if bad_c or (args.memory_cells is not None and not args.memory_cells):
         p.error(f"--cells: use full, ram, file, auto (got {args.memory_cells})")
+    bad_t = [t for t in (args.kv_types or []) if t not in ("f16", "q8_0", "q4_0")]
+    if bad_t or (args.kv_types is not None and not args.kv_types):
+        p.error(f"--kv-types: use f16, q8_0, q4_0 (got {args.kv_types})")
     bad_h = [h for h in (args.haystacks or []) if h not in ("prose", "ledger")]
     if bad_h or (args.haystacks is not None and not args.haystacks):
         p.error(f"--haystacks: use prose, ledger (got {args.haystacks})")

@@ -142,8 +142,9 @@ def run_snapshot(cfg: BenchConfig) -> Result:
                          f"A/A restore / restore_again {statistics.median(a):.2f}x ({_spread(a)}); "
                          f"restored logits and next {CHECK_TOKENS} greedy tokens equal to the saved session's: {ex}")
     res.notes.append(f"KV MiB: what the session holds (pool + sliding-window rows + host store's used bytes); full-cache "
-                     f"KV MiB: {kv_per_token:.0f} B/token x the context (all layers, {cfg.kv_type}); file / KV against "
-                     "the former (the file also holds the token history, the last logits and the captured queries)")
+                     f"KV MiB: {kv_per_token:.0f} B/token x the context (all layers, {cfg.kv_type}); file / KV: the "
+                     "file's size over KV MiB (the file also holds the token history, the last logits and the captured "
+                     "queries)")
     res.notes += [
         "prefill: a fresh prefill of the context into a reset session (what a restart pays without a snapshot); "
         "save: Session.save (a temporary file beside the target, fsynced, renamed; the directory fsynced)",
