@@ -29,6 +29,7 @@ def tiny(tmp_path_factory):
                 "--control", "kvflash"]),
     ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
+    ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
 ])
@@ -93,6 +94,17 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "rescore":
         assert "drafter" in text and "qk" in text
+    if routine == "attention":
+        rows = data["results"][0]["rows"]
+        # q8_0: both kernels per thread count; f16: the f32 kernel only
+        assert [(r["kv_type"], r["threads"], r["kernel"][:3]) for r in rows] == [
+            ("q8_0", 1, "int"), ("q8_0", 1, "f32"), ("q8_0", 2, "int"), ("q8_0", 2, "f32"), ("f16", 1, "f32"),
+            ("f16", 2, "f32")], rows
+        for r in rows:
+            assert r["attn_ms"]["n"] == 3 and r["attn_gib_s"]["min"] > 0 and r["read_gib_s"]["min"] > 0, r
+            assert r["kv_mib"] > 0 and r["vs_read"].endswith(")"), r
+        assert rows[0]["vs_f32"].endswith("x") and rows[4].get("vs_f32") is None
+        assert len(data["results"][0]["raw"]) == 6 * 3
     if routine == "snapshot":
         res = data["results"][0]
         ops = ["prefill", "save", "restore", "restore_again", "restore_cold", "load"]

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "ggml-cpu.h"
+#include "kvflash/attn_cpu.h"
 #include "kvflash/limits.h"
 
 namespace kvflash::bindings {
@@ -103,6 +104,60 @@ PYBIND11_MODULE(_core, m) {
         const ggml_type t = kv_type_from_name(kv_type);
         return py::make_tuple(ggml_type_size(t), ggml_blck_size(t));
     }, py::arg("kv_type"), "(bytes per block, elements per block) of a KV type, from ggml's type traits.");
+
+    m.def("pool_attention", [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array k, py::array v,
+                               py::array_t<uint8_t, py::array::c_style | py::array::forcecast> visible,
+                               const std::string &kv_type, int32_t n_head_kv, float scale, int32_t n_split,
+                               int32_t n_threads, bool quant_dots) {
+        const ggml_type t = kv_type_from_name(kv_type);
+        if (q.ndim() != 3) throw std::invalid_argument("pool_attention: q must be [n, n_head, head_dim] float32");
+        const int32_t n = int32_t(q.shape(0)), H = int32_t(q.shape(1)), D = int32_t(q.shape(2));
+        auto kb = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(k);
+        auto vb = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(v);
+        if (n_head_kv < 1 || D < 1) throw std::invalid_argument("pool_attention: n_head_kv and head_dim must be >= 1");
+        if (int64_t(D) * n_head_kv % ggml_blck_size(t))
+            throw std::invalid_argument("pool_attention: a K/V row is not a whole number of blocks of its type");
+        const size_t row = ggml_row_size(t, int64_t(D) * n_head_kv);
+        if (!kb || !vb || kb.ndim() != 2 || vb.ndim() != 2 || size_t(kb.shape(1)) != row || size_t(vb.shape(1)) != row ||
+            kb.shape(0) != vb.shape(0))
+            throw std::invalid_argument("pool_attention: k and v must be [n_kv, " + std::to_string(row) +
+                                        "] uint8 rows of " + kv_type);
+        const int64_t n_kv = kb.shape(0);
+        if (visible.ndim() != 2 || visible.shape(0) != n || visible.shape(1) != n_kv)
+            throw std::invalid_argument("pool_attention: visible must be [n, n_kv]");
+        py::array_t<float> out({py::ssize_t(n), py::ssize_t(H), py::ssize_t(D)});
+        {
+            py::gil_scoped_release nogil;
+            pool_attention_once(q.data(), n, H, n_head_kv, D, t, kb.data(), vb.data(), n_kv, visible.data(), scale,
+                                n_split, n_threads, quant_dots, out.mutable_data());
+        }
+        return out;
+    }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("visible"), py::arg("kv_type"), py::arg("n_head_kv"),
+       py::arg("scale"), py::arg("n_split") = 1, py::arg("n_threads") = 1, py::arg("quant_dots") = false,
+       "The CPU pool attention op once over these arrays (tests): q [n, H, D] float32, k / v [n_kv, row bytes] rows "
+       "of kv_type, visible [n, n_kv]; returns [n, H, D].");
+    m.def("bench_pool_attention", [](int32_t n_kv, int32_t head_dim, int32_t n_head, int32_t n_head_kv,
+                                     const std::string &kv_type, int32_t n_threads, int32_t n_layers, int32_t n_queries,
+                                     int32_t iters, uint64_t seed, bool quant_dots) {
+        const ggml_type t = kv_type_from_name(kv_type);
+        AttnBenchResult r;
+        {
+            py::gil_scoped_release nogil;
+            r = bench_pool_attention(n_kv, head_dim, n_head, n_head_kv, t, n_threads, n_layers, n_queries, iters, seed,
+                                     quant_dots);
+        }
+        py::dict d;
+        d["attn_s"] = r.attn_s;
+        d["read_s"] = r.read_s;
+        d["copy_s"] = r.copy_s;
+        d["kv_bytes"] = r.kv_bytes;
+        d["n_split"] = r.n_split;
+        return d;
+    }, py::arg("n_kv"), py::arg("head_dim"), py::arg("n_head"), py::arg("n_head_kv"), py::arg("kv_type") = "q8_0",
+       py::arg("n_threads") = 1, py::arg("n_layers") = 30, py::arg("n_queries") = 1, py::arg("iters") = 20,
+       py::arg("seed") = 0, py::arg("quant_dots") = false,
+       "The CPU pool attention op alone (bench attention): seconds per iteration of n_layers pools' decode attention "
+       "in one graph, beside a one-thread read pass and a memcpy of the same K/V bytes; and those bytes.");
 
     bind_pager(m);
     bind_model(m);

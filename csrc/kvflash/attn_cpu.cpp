@@ -1,11 +1,14 @@
 #include "kvflash/attn_cpu.h"
 
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -66,7 +69,15 @@ static void q8_0_to_f32(const void *src, float *dst, int64_t n) {
         const float d = block_scale(b);
         const int8_t *qs = reinterpret_cast<const int8_t *>(b + 2);
         float *o = dst + ib * 32;
+#if defined(__AVX2__)
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int j = 0; j < 32; j += 8) {
+            const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(qs + j)));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(x), dv));
+        }
+#else
         for (int j = 0; j < 32; ++j) o[j] = d * float(qs[j]);
+#endif
     }
 }
 
@@ -143,6 +154,196 @@ static void axpys(float *acc, float corr, const float *p, const float *V, int na
     }
 }
 
+// ---- quantized keys: integer dot products against a quantized query
+//
+// For q8_0 and q4_0 K the query is quantized the way ggml quantizes activations for its
+// q8_0 matmuls (blocks of 32, scale = max|x| / 127, round to nearest), and K . q is an
+// int8 (q8_0) or nibble (q4_0) dot product per block with the two block scales applied
+// once per block.  The error against the f32 path is the query's rounding, the same
+// error ggml's own q8_0 x q8_0 matmuls make on the weights' side.
+struct QuantQuery {
+    std::vector<int8_t> qs;    // [rows][D]
+    std::vector<float> d;      // [rows][D/32] block scales (NaN: the row held a NaN or inf)
+    std::vector<int32_t> sum;  // [rows][D/32] sums of the quantized values (q4_0's -8 offset)
+};
+
+static void quantize_query(const float *x, int64_t D, int8_t *qs, float *qd, int32_t *qsum) {
+    for (int64_t b = 0; b < D / 32; ++b) {
+        const float *xb = x + b * 32;
+        float amax = 0.f;
+        bool finite = true;
+        for (int j = 0; j < 32; ++j) {
+            const float ax = std::fabs(xb[j]);
+            finite = finite && ax <= std::numeric_limits<float>::max();
+            amax = std::max(amax, ax);
+        }
+        if (!finite) {   // propagate as the f32 path would: a NaN score
+            std::fill(qs + b * 32, qs + b * 32 + 32, int8_t(0));
+            qd[b] = std::numeric_limits<float>::quiet_NaN();
+            qsum[b] = 0;
+            continue;
+        }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int v = int(std::nearbyint(xb[j] * id));
+            qs[b * 32 + j] = int8_t(v);
+            sum += v;
+        }
+        qd[b] = d;
+        qsum[b] = sum;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 int32 partial sums of k[j] * q[j] over 32 int8 lanes (|k| <= 127, as q8_0 stores).
+static inline __m256i dot_s8(__m256i kx, __m256i qx) {
+    const __m256i ax = _mm256_sign_epi8(kx, kx), sy = _mm256_sign_epi8(qx, kx);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+#endif
+}
+// The same for 32 unsigned bytes against int8 lanes (nibbles 0..15, or q8_0 biased by +128 with VNNI;
+// without VNNI maddubs saturates past 2 x 127 x 128, which nibbles never reach).
+static inline __m256i dot_u4(__m256i nib, __m256i qx) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, qx);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(nib, qx), _mm256_set1_epi16(1));
+#endif
+}
+// The horizontal sums of four accumulators, as dots() does.
+static inline __m128 hsum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) over 8 lanes for the softmax's shifted scores (x <= 0): x = n ln2 + r, |r| <= ln2/2, a
+// degree-6 polynomial for exp(r) (Cephes' expf coefficients, ~1 ulp), times 2^n.  Lanes below
+// -87 (-inf: a masked slot) give exactly 0; a NaN stays NaN.
+static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(lo, x);   // a NaN x passes through (max_ps returns its second operand then)
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// sc[a] = exp(sc[a] - m) for a < na; returns their sum.
+static inline float exp_shifted(float *sc, int na, float m) {
+    int a = 0;
+    float l = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; a + 8 <= na; a += 8) {
+        const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + a), mv));
+        _mm256_storeu_ps(sc + a, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    l = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+#endif
+    for (; a < na; ++a) {
+        sc[a] = std::exp(sc[a] - m);
+        l += sc[a];
+    }
+    return l;
+}
+
+// A tile's quantized keys unpacked once for all the query heads of their group: per visible row
+// its D values as bytes (q8_0: the int8 values, biased by +128 where the dot is u8 x s8 (VNNI);
+// q4_0: the nibbles 0..15) and its block scales.  The dot is then
+//   sum_b kd[b] * qd[b] * (sum_j kq[j] * qs[j] - bias * qsum[b]),  bias = 128 (biased q8_0), 8 (q4_0).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static constexpr bool kQ8Biased = true;
+#else
+static constexpr bool kQ8Biased = false;
+#endif
+
+static void unpack_keys(ggml_type t, const uint8_t *kb, int64_t nb, uint8_t *kq, float *kd) {
+    const int64_t bs = t == GGML_TYPE_Q8_0 ? 34 : 18;
+    for (int64_t b = 0; b < nb; ++b, kb += bs) {
+        kd[b] = block_scale(kb);
+        uint8_t *o = kq + b * 32;
+        if (t == GGML_TYPE_Q8_0) {
+            if (kQ8Biased)
+                for (int j = 0; j < 32; ++j) o[j] = uint8_t(kb[2 + j] ^ 0x80);
+            else
+                std::memcpy(o, kb + 2, 32);
+        } else {
+            for (int j = 0; j < 16; ++j) {
+                o[j] = kb[2 + j] & 0x0f;
+                o[j + 16] = kb[2 + j] >> 4;
+            }
+        }
+    }
+}
+
+static inline int32_t key_bias(ggml_type t) { return t == GGML_TYPE_Q8_0 ? (kQ8Biased ? 128 : 0) : 8; }
+
+// One unpacked key row against one quantized query (the scalar path).
+static inline float dot_unpacked(ggml_type t, const uint8_t *kq, const float *kd, int64_t nb, const int8_t *qs,
+                                 const float *qd, const int32_t *qsum) {
+    const int32_t bias = key_bias(t);
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int32_t acc = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int32_t kv = t == GGML_TYPE_Q8_0 && !kQ8Biased ? int32_t(int8_t(kq[b * 32 + j])) : int32_t(kq[b * 32 + j]);
+            acc += kv * int32_t(qs[b * 32 + j]);
+        }
+        s += kd[b] * qd[b] * float(acc - bias * qsum[b]);
+    }
+    return s;
+}
+
+// out[a] = dot(unpacked key row a, the quantized query) for a < na; rows D bytes apart, scales nb apart.
+static void dots_quant(ggml_type t, const uint8_t *kq, const float *kd, int na, int64_t nb, const int8_t *qs,
+                       const float *qd, const int32_t *qsum, float *out) {
+    const int64_t D = nb * 32;
+    int a = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const float bias = float(key_bias(t));
+    for (; a + 4 <= na; a += 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        float off[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t b = 0; b < nb; ++b) {
+            const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + b * 32));
+            const float qb = qd[b], qo = bias * float(qsum[b]);
+            for (int r = 0; r < 4; ++r) {
+                const __m256i kx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(kq + (a + r) * D + b * 32));
+                const float d = kd[(a + r) * nb + b] * qb;
+                const __m256i p = t == GGML_TYPE_Q8_0 && !kQ8Biased ? dot_s8(kx, qx) : dot_u4(kx, qx);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc[r]);
+                off[r] += d * qo;
+            }
+        }
+        __m128 r4 = hsum4(acc[0], acc[1], acc[2], acc[3]);
+        r4 = _mm_sub_ps(r4, _mm_loadu_ps(off));
+        _mm_storeu_ps(out + a, r4);
+    }
+#endif
+    for (; a < na; ++a) out[a] = dot_unpacked(t, kq + a * D, kd + a * nb, nb, qs, qd, qsum);
+}
+
 static row_to_f32 converter(ggml_type t) {
     switch (t) {
         case GGML_TYPE_F16: return f16_to_f32;
@@ -165,8 +366,21 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const row_to_f32 tk = converter(k->type), tv = converter(v->type);
     const size_t k_head = ggml_row_size(k->type, D), v_head = ggml_row_size(v->type, D);
 
+    // q8_0 / q4_0 keys: integer dot products against the quantized queries (see dots_quant)
+    const bool int_k = P->quant_dots && (k->type == GGML_TYPE_Q8_0 || k->type == GGML_TYPE_Q4_0) && D % 32 == 0;
+    const int64_t nb = D / 32;
     thread_local std::vector<float> Kt, Vt, sc, acc, mrow, lrow;
     thread_local std::vector<int32_t> vis;
+    thread_local std::vector<uint8_t> kq;   // the tile's unpacked keys (unpack_keys)
+    thread_local std::vector<float> kd;
+    thread_local QuantQuery qq;
+    if (int_k) {
+        qq.qs.resize(size_t(G) * n * D);
+        qq.d.resize(size_t(G) * n * nb);
+        qq.sum.resize(size_t(G) * n * nb);
+        kq.resize(size_t(kTile) * D);
+        kd.resize(size_t(kTile) * nb);
+    }
     Kt.resize(size_t(kTile) * D);
     Vt.resize(size_t(kTile) * D);
     sc.resize(kTile);
@@ -181,8 +395,28 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(mrow.begin(), mrow.end(), -std::numeric_limits<float>::infinity());
         std::fill(lrow.begin(), lrow.end(), 0.f);
+        if (int_k)
+            for (int64_t hh = 0; hh < G; ++hh)
+                for (int64_t i = 0; i < n; ++i) {
+                    const size_t r = size_t(hh) * n + i;
+                    const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) +
+                                                                      (g * G + hh) * q->nb[1] + i * q->nb[2]);
+                    quantize_query(qv, D, &qq.qs[r * D], &qq.d[r * nb], &qq.sum[r * nb]);
+                }
         for (int64_t t0 = s0; t0 < s1; t0 += kTile) {
             const int64_t nt = std::min<int64_t>(kTile, s1 - t0);
+#if defined(__SSE2__)
+            // The next tile's K/V rows of this head, asked for now: the rows are a strided walk (one KV
+            // head's bytes out of each pool row) and the compute of one tile hides their latency.
+            for (int64_t j = t0 + kTile, je = std::min(s1, t0 + 2 * kTile); j < je; ++j) {
+                const char *kr = static_cast<const char *>(k->data) + j * k->nb[1] + g * k_head;
+                const char *vr = static_cast<const char *>(v->data) + j * v->nb[1] + g * v_head;
+                _mm_prefetch(kr, _MM_HINT_T0);
+                _mm_prefetch(kr + k_head - 1, _MM_HINT_T0);
+                _mm_prefetch(vr, _MM_HINT_T0);
+                _mm_prefetch(vr + v_head - 1, _MM_HINT_T0);
+            }
+#endif
             // Which tile slots does any query see?  Dequantize only those.
             int nvis = 0;
             for (int64_t j = 0; j < nt; ++j) {
@@ -196,7 +430,9 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
             if (nvis == 0) continue;
             for (int a = 0; a < nvis; ++a) {
                 const int64_t s = t0 + vis[a];
-                tk(static_cast<const char *>(k->data) + s * k->nb[1] + g * k_head, &Kt[size_t(a) * D], D);
+                const char *krow = static_cast<const char *>(k->data) + s * k->nb[1] + g * k_head;
+                if (int_k) unpack_keys(k->type, reinterpret_cast<const uint8_t *>(krow), nb, &kq[size_t(a) * D], &kd[size_t(a) * nb]);
+                else tk(krow, &Kt[size_t(a) * D], D);
                 tv(static_cast<const char *>(v->data) + s * v->nb[1] + g * v_head, &Vt[size_t(a) * D], D);
             }
             for (int64_t i = 0; i < n; ++i) {
@@ -205,21 +441,19 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
                     const int64_t h = g * G + hh;
                     const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) + h * q->nb[1] + i * q->nb[2]);
                     constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-                    dots(qv, Kt.data(), nvis, D, sc.data());
+                    const size_t r = size_t(hh) * n + i;
+                    if (int_k) dots_quant(k->type, kq.data(), kd.data(), nvis, nb, &qq.qs[r * D], &qq.d[r * nb],
+                                          &qq.sum[r * nb], sc.data());
+                    else dots(qv, Kt.data(), nvis, D, sc.data());
                     float tmax = NEG_INF;
                     for (int a = 0; a < nvis; ++a) {
                         sc[a] = mr[t0 + vis[a]] == kF16NegInf ? NEG_INF : sc[a] * P->scale;
                         tmax = std::max(tmax, sc[a]);
                     }
                     if (tmax == NEG_INF) continue;
-                    const size_t r = size_t(hh) * n + i;
                     const float mnew = std::max(mrow[r], tmax);
                     const float corr = std::exp(mrow[r] - mnew);  // exp(-inf) = 0 on the first tile
-                    float l = lrow[r] * corr;
-                    for (int a = 0; a < nvis; ++a) {
-                        sc[a] = std::exp(sc[a] - mnew);
-                        l += sc[a];
-                    }
+                    const float l = lrow[r] * corr + exp_shifted(sc.data(), nvis, mnew);
                     axpys(&acc[r * D], corr, sc.data(), Vt.data(), nvis, D);
                     mrow[r] = mnew;
                     lrow[r] = l;
@@ -359,6 +593,161 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
     std::vector<uint8_t> raw(size_t(n_kv) * k->nb[1]);
     ggml_backend_tensor_get(const_cast<ggml_tensor *>(k), raw.data(), 0, raw.size());
     attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos, 0);
+}
+
+}  // namespace kvflash
+
+// ---------------------------------------------------------------- micro-benchmark (bench attention)
+namespace kvflash {
+
+namespace {
+// A read pass a compiler cannot drop: every 64-byte line loaded, xor-folded into one value.
+uint64_t read_pass(const std::vector<const uint8_t *> &bufs, size_t bytes_each) {
+    uint64_t acc = 0;
+    for (const uint8_t *b : bufs) {
+#if defined(__AVX2__)
+        __m256i x0 = _mm256_setzero_si256(), x1 = x0;
+        size_t i = 0;
+        for (; i + 64 <= bytes_each; i += 64) {
+            x0 = _mm256_xor_si256(x0, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + i)));
+            x1 = _mm256_xor_si256(x1, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + i + 32)));
+        }
+        alignas(32) uint64_t lanes[4];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), _mm256_xor_si256(x0, x1));
+        acc ^= lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+        for (; i < bytes_each; ++i) acc ^= b[i];
+#else
+        for (size_t i = 0; i < bytes_each; i += 8) {
+            uint64_t w;
+            std::memcpy(&w, b + i, std::min<size_t>(8, bytes_each - i));
+            acc ^= w;
+        }
+#endif
+    }
+    return acc;
+}
+}  // namespace
+
+void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
+                         const uint8_t *kd, const uint8_t *vd, int64_t n_kv, const uint8_t *visible, float scale,
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out) {
+    if (n < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1 || n_kv < 1 || n_split < 1 || n_threads < 1)
+        throw std::invalid_argument("pool_attention: need n, heads, head_dim, slots, ranges and threads >= 1 and "
+                                    "n_head a multiple of n_head_kv");
+    if (!converter(type)) throw std::invalid_argument("pool_attention: K/V type must be f16, q8_0 or q4_0");
+    if ((int64_t(D) * Hkv) % ggml_blck_size(type))
+        throw std::invalid_argument("pool_attention: a K/V row is not a whole number of blocks of its type");
+    const size_t row = ggml_row_size(type, int64_t(D) * Hkv);
+    const size_t mem = 2 * row * size_t(n_kv) + size_t(D) * H * n * 4 * 2 + size_t(n_kv) * n * 2 +
+                       size_t(D + 2) * H * n * n_split * 4 + 8 * ggml_tensor_overhead() + ggml_graph_overhead() +
+                       (size_t(1) << 16);
+    ggml_init_params ip{mem, nullptr, false};
+    ggml_context *ctx = ggml_init(ip);
+    if (!ctx) throw std::runtime_error("pool_attention: out of memory");
+    struct Free { ggml_context *c; ~Free() { ggml_free(c); } } guard{ctx};
+    ggml_tensor *q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, H, n);
+    std::memcpy(q->data, qd, ggml_nbytes(q));
+    ggml_tensor *k = ggml_new_tensor_2d(ctx, type, int64_t(D) * Hkv, n_kv);
+    ggml_tensor *v = ggml_new_tensor_2d(ctx, type, int64_t(D) * Hkv, n_kv);
+    std::memcpy(k->data, kd, ggml_nbytes(k));
+    std::memcpy(v->data, vd, ggml_nbytes(v));
+    ggml_tensor *mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n);
+    auto *mm = static_cast<uint16_t *>(mask->data);
+    for (int64_t i = 0; i < int64_t(n) * n_kv; ++i) mm[i] = visible[i] ? 0 : kF16NegInf;
+    PoolAttnParams params;
+    params.n_head_kv = Hkv;
+    params.n_split = n_split;
+    params.scale = scale;
+    params.quant_dots = quant_dots;
+    ggml_tensor *o = pool_attention_cpu(ctx, q, k, v, mask, &params);
+    ggml_cgraph *gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, o);
+    ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+    std::vector<uint8_t> work(plan.work_size + 64);
+    plan.work_data = work.data();
+    if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) throw std::runtime_error("pool_attention: compute failed");
+    std::memcpy(out, o->data, ggml_nbytes(o));
+}
+
+AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t D, int32_t H, int32_t Hkv, ggml_type type,
+                                     int32_t n_threads, int32_t n_layers, int32_t n_queries, int32_t iters,
+                                     uint64_t seed, bool quant_dots) {
+    if (n_kv < 64 || D < 32 || D % 32 || H < 1 || Hkv < 1 || H % Hkv || n_threads < 1 || n_layers < 1 ||
+        n_queries < 1 || iters < 1)
+        throw std::invalid_argument("bench_pool_attention: need n_kv >= 64, head_dim a multiple of 32, n_head a "
+                                    "multiple of n_head_kv, and positive threads, layers, queries and iterations");
+    if (!converter(type)) throw std::invalid_argument("bench_pool_attention: K/V type must be f16, q8_0 or q4_0");
+    const size_t row = ggml_row_size(type, int64_t(D) * Hkv), pool_bytes = row * size_t(n_kv);
+    const size_t per_layer_out = size_t(D + 2) * H * n_queries * 32 * 4 + size_t(D) * H * n_queries * 4;
+    const size_t mem = size_t(n_layers) * (2 * pool_bytes + per_layer_out + 6 * ggml_tensor_overhead() + 4096) +
+                       size_t(D) * H * n_queries * 4 + size_t(n_kv) * n_queries * 2 + ggml_graph_overhead() +
+                       64 * ggml_tensor_overhead() + (size_t(1) << 20);
+    ggml_init_params ip{mem, nullptr, false};
+    ggml_context *ctx = ggml_init(ip);
+    if (!ctx) throw std::runtime_error("bench_pool_attention: out of memory");
+    struct Free { ggml_context *c; ~Free() { ggml_free(c); } } guard{ctx};
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> tmp(size_t(D) * Hkv * n_kv);
+    auto fill = [&](ggml_tensor *t) {
+        for (float &x : tmp) x = nd(rng);
+        if (type == GGML_TYPE_F16) ggml_fp32_to_fp16_row(tmp.data(), static_cast<ggml_fp16_t *>(t->data), int64_t(tmp.size()));
+        else ggml_quantize_chunk(type, tmp.data(), t->data, 0, n_kv, int64_t(D) * Hkv, nullptr);
+    };
+    ggml_tensor *q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, H, n_queries);
+    for (int64_t i = 0; i < ggml_nelements(q); ++i) static_cast<float *>(q->data)[i] = nd(rng);
+    ggml_tensor *mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_queries);
+    std::memset(mask->data, 0, ggml_nbytes(mask));   // every slot visible to every query
+    PoolAttnParams params;
+    params.n_head_kv = Hkv;
+    params.scale = 1.f / std::sqrt(float(D));
+    params.quant_dots = quant_dots;
+    // the runtime's choice of ranges (runtime.cpp)
+    params.n_split = int32_t(std::max<int64_t>(1, std::min<int64_t>(
+        {std::max<int64_t>(n_kv / 256, (2 * n_threads + Hkv - 1) / Hkv), 32, n_kv / 64})));
+    ggml_cgraph *gf = ggml_new_graph(ctx);
+    std::vector<const uint8_t *> bufs;
+    for (int32_t l = 0; l < n_layers; ++l) {
+        ggml_tensor *k = ggml_new_tensor_2d(ctx, type, int64_t(D) * Hkv, n_kv);
+        ggml_tensor *v = ggml_new_tensor_2d(ctx, type, int64_t(D) * Hkv, n_kv);
+        fill(k);
+        fill(v);
+        bufs.push_back(static_cast<const uint8_t *>(k->data));
+        bufs.push_back(static_cast<const uint8_t *>(v->data));
+        ggml_build_forward_expand(gf, pool_attention_cpu(ctx, q, k, v, mask, &params));
+    }
+    ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+    std::vector<uint8_t> work(plan.work_size + 64);
+    plan.work_data = work.data();
+    std::vector<uint8_t> dst(pool_bytes * bufs.size());
+    std::memset(dst.data(), 1, dst.size());
+    AttnBenchResult res;
+    res.kv_bytes = double(pool_bytes) * double(bufs.size());
+    res.n_split = params.n_split;
+    volatile uint64_t sink = 0;
+    using clk = std::chrono::steady_clock;
+    auto secs = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS)   // warm-up: first touches, thread start
+        throw std::runtime_error("bench_pool_attention: graph compute failed");
+    for (int32_t it = 0; it < iters; ++it) {
+        for (int32_t j = 0; j < 3; ++j) {
+            const int32_t what = (it + j) % 3;
+            const auto t0 = clk::now();
+            if (what == 0) {
+                if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS)
+                    throw std::runtime_error("bench_pool_attention: graph compute failed");
+                res.attn_s.push_back(secs(t0, clk::now()));
+            } else if (what == 1) {
+                sink = sink ^ read_pass(bufs, pool_bytes);
+                res.read_s.push_back(secs(t0, clk::now()));
+            } else {
+                for (size_t b = 0; b < bufs.size(); ++b) std::memcpy(dst.data() + b * pool_bytes, bufs[b], pool_bytes);
+                res.copy_s.push_back(secs(t0, clk::now()));
+            }
+        }
+    }
+    (void)sink;
+    return res;
 }
 
 }  // namespace kvflash

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "ggml.h"
 
@@ -22,6 +23,9 @@ struct PoolAttnParams {
     int32_t n_head_kv = 1;
     int32_t n_split = 1;   // pool ranges (split-K)
     float scale = 1.f;
+    // q8_0 / q4_0 K: integer dots against a quantized query instead of dequantized f32 rows.  Off
+    // by default: measured no faster here (bench attention), and it adds the query's rounding.
+    bool quant_dots = false;
 };
 
 // q:    [D, H, n]      f32, contiguous (post-RoPE)
@@ -50,5 +54,27 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
 void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
                           int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
                           int64_t n_pos);
+
+// The op once over caller arrays (the tests' window onto the kernel): q [n][H][D] f32,
+// k and v n_kv rows of D*Hkv elements of `type`, visible [n][n_kv] (nonzero: the query
+// sees the slot), out [n][H][D].  Throws invalid_argument on bad shapes or types.
+void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
+                         const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out);
+
+// The pool attention op alone, for the bench: n_layers independent K/V pools of n_kv
+// slots (random rows of `type`, every slot visible), one decode query per layer, all
+// layers in one graph computed with n_threads, as a decode step's attention parts.
+// Each iteration also times one plain read pass (one thread, every K/V byte loaded
+// once) and a memcpy of the same bytes, in an order rotated per iteration; seconds per
+// iteration for each, and the K/V bytes one iteration touches.
+struct AttnBenchResult {
+    std::vector<double> attn_s, read_s, copy_s;
+    double kv_bytes = 0;
+    int32_t n_split = 1;
+};
+AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t head_dim, int32_t n_head, int32_t n_head_kv, ggml_type type,
+                                     int32_t n_threads, int32_t n_layers, int32_t n_queries, int32_t iters,
+                                     uint64_t seed, bool quant_dots = false);
 
 }  // namespace kvflash

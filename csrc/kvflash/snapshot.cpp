@@ -225,17 +225,33 @@ std::string human(uint64_t fp) {
 }  // namespace
 
 uint32_t crc32(const uint8_t *data, size_t n, uint32_t crc) {
-    static const auto table = [] {
-        std::vector<uint32_t> t(256);
+    // CRC-32 (reflected, 0xEDB88320) eight bytes a step: table k holds the CRC of a byte followed by k
+    // zero bytes, so the eight lookups of one 64-bit word combine by xor (the byte-at-a-time loop was
+    // half of a restore's time).
+    static const auto tables = [] {
+        std::vector<uint32_t> t(8 * 256);
         for (uint32_t i = 0; i < 256; ++i) {
             uint32_t c = i;
             for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
             t[i] = c;
         }
+        for (uint32_t i = 0; i < 256; ++i)
+            for (int k = 1; k < 8; ++k) t[k * 256 + i] = t[(k - 1) * 256 + i] >> 8 ^ t[t[(k - 1) * 256 + i] & 0xFF];
         return t;
     }();
+    const uint32_t *T = tables.data();
     crc = ~crc;
-    for (size_t i = 0; i < n; ++i) crc = table[(crc ^ data[i]) & 0xFF] ^ (crc >> 8);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint32_t lo, hi;
+        std::memcpy(&lo, data + i, 4);   // little-endian words (the format's byte order)
+        std::memcpy(&hi, data + i + 4, 4);
+        lo ^= crc;
+        crc = T[7 * 256 + (lo & 0xFF)] ^ T[6 * 256 + ((lo >> 8) & 0xFF)] ^ T[5 * 256 + ((lo >> 16) & 0xFF)] ^
+              T[4 * 256 + (lo >> 24)] ^ T[3 * 256 + (hi & 0xFF)] ^ T[2 * 256 + ((hi >> 8) & 0xFF)] ^
+              T[1 * 256 + ((hi >> 16) & 0xFF)] ^ T[hi >> 24];
+    }
+    for (; i < n; ++i) crc = T[(crc ^ data[i]) & 0xFF] ^ (crc >> 8);
     return ~crc;
 }
 

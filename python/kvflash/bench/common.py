@@ -54,6 +54,8 @@ class BenchConfig:
     parallel: int = 2                  # serve: the server's slots for the concurrent clients
     client_prompt: int = 512           # serve: prompt tokens per concurrent client (each distinct)
     client_tokens: int = 32            # serve: tokens each concurrent client asks for
+    attn_kv_types: list = dataclasses.field(default_factory=lambda: ["q8_0"])   # attention: KV types
+    attn_threads: list = dataclasses.field(default_factory=lambda: [1, 2])      # attention: thread counts
     seed: int = 1234
     quiet: bool = False
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._shared import passkey_chunks, rank_of, rank_text, span_rank  # noqa: F401 (bench/drafter_rank.py)
 from .ab import run_ab
+from .attention import run_attention
 from .decode import run_decode
 from .memory import run_memory
 from .paging import run_paging
@@ -18,4 +19,5 @@ from .snapshot import run_snapshot
 
 ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
-            "snapshot": run_snapshot, "serve": run_serve}
+            "snapshot": run_snapshot, "serve": run_serve,
+            "attention": run_attention}
