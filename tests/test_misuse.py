@@ -511,3 +511,90 @@ def test_cli_says_when_the_context_is_full(small, capsys):
                      "-t", "1", "-n", "200", "hello there"]) == 0
     err = capsys.readouterr().err
     assert "the context is full (max_ctx 64" in err, err
+
+
+def test_c_api_readers_refuse_while_a_call_computes_and_never_block_one(small):
+    # kvflash_n_past, kvflash_n_chunks, kvflash_get_stats, kvflash_get_logits and
+    # kvflash_last_error read what a running kvflash_eval writes (the logits buffer it
+    # fills, the pager's counters, the message).  From another thread they answer busy
+    # instead (KVFLASH_EBUSY, as n_past; NULL logits; a busy message), and a reader never
+    # makes a call fail: evals and decodes with readers running beside them all succeed.
+    from kvflash import capi
+    rc, out = _run_isolated(f"""
+        import ctypes, threading
+        import numpy as np
+        lib = ctypes.CDLL({str(capi.library_path())!r})
+        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
+
+        class Stats(ctypes.Structure):  # struct kvflash_stats
+            _fields_ = [("n_past", ctypes.c_int64), ("page_outs", ctypes.c_int64), ("page_ins", ctypes.c_int64),
+                        ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
+                        ("resident_chunks", ctypes.c_int32), ("host_chunks", ctypes.c_int32),
+                        ("resident_bytes", ctypes.c_uint64), ("host_bytes", ctypes.c_uint64),
+                        ("pool_tokens", ctypes.c_int32), ("n_chunks", ctypes.c_int32), ("rescores", ctypes.c_int64)]
+
+        V = ctypes.c_void_p
+        lib.kvflash_default_params.restype = Params
+        lib.kvflash_model_load.restype = V
+        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_session_new.restype = V
+        lib.kvflash_session_new.argtypes = [V, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_eval.argtypes = [V, V, ctypes.c_int32, V]
+        lib.kvflash_decode.argtypes = [V, ctypes.c_int32, V, ctypes.POINTER(ctypes.c_int32)]
+        lib.kvflash_n_past.restype, lib.kvflash_n_past.argtypes = ctypes.c_int64, [V]
+        lib.kvflash_n_chunks.restype, lib.kvflash_n_chunks.argtypes = ctypes.c_int32, [V]
+        lib.kvflash_get_stats.restype, lib.kvflash_get_stats.argtypes = Stats, [V]
+        lib.kvflash_get_logits.restype, lib.kvflash_get_logits.argtypes = ctypes.POINTER(ctypes.c_float), [V]
+        lib.kvflash_last_error.restype, lib.kvflash_last_error.argtypes = ctypes.c_char_p, [V]
+        EBUSY = -4
+        err = ctypes.create_string_buffer(512)
+        m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
+        p = lib.kvflash_default_params()
+        p.max_ctx, p.pool_tokens, p.ubatch = 4096, 512, 64
+        s = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert m and s, err.value
+        toks = (np.arange(3000) % 250).astype(np.int32)
+        assert lib.kvflash_eval(s, toks.ctypes.data, 10, None) == 0   # logits exist from here on
+        assert lib.kvflash_n_past(s) == 10 and lib.kvflash_get_logits(s)
+
+        got = []
+        t = threading.Thread(target=lambda: got.append(lib.kvflash_eval(s, toks.ctypes.data, 3000, None)))
+        t.start()
+        while t.is_alive() and lib.kvflash_n_past(s) == 10:  # until the eval holds the session
+            pass
+        busy = dict(n_past=0, n_chunks=0, stats=0, logits=0, error=0)
+        while t.is_alive():
+            busy["n_past"] += lib.kvflash_n_past(s) == EBUSY
+            busy["n_chunks"] += lib.kvflash_n_chunks(s) == EBUSY
+            busy["stats"] += lib.kvflash_get_stats(s).n_past == EBUSY
+            busy["logits"] += not lib.kvflash_get_logits(s)
+            busy["error"] += b"another thread" in lib.kvflash_last_error(s)
+        t.join()
+        print("busy", busy, "eval", got)
+        assert got == [0], got
+        assert all(v > 0 for v in busy.values()), busy
+        st = lib.kvflash_get_stats(s)
+        assert lib.kvflash_n_past(s) == st.n_past == 3010 and st.page_outs > 0 and st.n_chunks == 48
+        assert lib.kvflash_get_logits(s) and lib.kvflash_last_error(s) == b""
+
+        # Readers hammering the session never make a call on it fail.
+        stop, reads = threading.Event(), [0]
+        def read():
+            while not stop.is_set():
+                lib.kvflash_n_past(s); lib.kvflash_get_stats(s); lib.kvflash_get_logits(s)
+                lib.kvflash_n_chunks(s); lib.kvflash_last_error(s)
+                reads[0] += 1
+        r = threading.Thread(target=read)
+        r.start()
+        tok, codes = ctypes.c_int32(1), []
+        for i in range(120):
+            codes.append(lib.kvflash_decode(s, tok.value, None, ctypes.byref(tok)))
+        codes.append(lib.kvflash_eval(s, toks.ctypes.data, 200, None))
+        stop.set()
+        r.join()
+        print("decode codes", set(codes), "reads", reads[0])
+        assert codes == [0] * len(codes), codes
+        assert reads[0] > 0 and lib.kvflash_n_past(s) == 3010 + 120 + 200
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
