@@ -598,3 +598,74 @@ def test_c_api_readers_refuse_while_a_call_computes_and_never_block_one(small):
         print("OK")
     """)
     assert rc == 0 and "OK" in out, out
+
+
+# ---------------------------------------------------------------- captured queries across a rewind
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    # One layer: its queries and keys depend on the tokens and positions only, not on which
+    # chunks were resident when they were computed, so two sessions that hold the same
+    # tokens score the same whatever their paging history.
+    from tinygguf import write_tiny_model
+    path = tmp_path_factory.mktemp("misuse-one") / "one.gguf"
+    write_tiny_model(str(path), "llama", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=7)
+    return str(path)
+
+
+@pytest.mark.parametrize("cut", [1000, 1450])
+def test_qk_scores_after_truncate_match_a_fresh_session(one_layer, cut):
+    # The qk policy scores with the last n_queries captured queries minus the n_queries
+    # `contrast` tokens before them (40 in all).  Truncating drops the captured queries past
+    # the cut; a short prompt after it must still be scored with a full window, as a
+    # session that never held the dropped tokens scores it.
+    x, z = _ids(1500, 11), _ids(20, 12)
+    a = _session(one_layer, policy="qk")
+    a.prefill(x)
+    a.truncate(cut)
+    _consistent(a)
+    assert a.tokens == x[:cut]
+    a.prefill(z)            # past the pool: the post-prompt rescore scores it
+    b = _session(one_layer, policy="qk")
+    b.prefill(x[:cut])
+    b.prefill(z)
+    assert a.tokens == b.tokens
+    assert a.runtime.n_captured == b.runtime.n_captured == a.policy.n_capture
+    np.testing.assert_allclose(a.last_scores, b.last_scores, rtol=1e-4, atol=1e-6)
+
+
+def test_failed_eval_gives_back_the_captured_queries(small):
+    # All or nothing includes the capture window: a prompt that fails in a later piece
+    # leaves the queries of the tokens before it captured, as they were.
+    m = core.Model(small, n_threads=1)
+    cap = 16 * core.Runtime(m, max_ctx=4096, pool_tokens=512).pager.chunk_bytes
+    rt = core.Runtime(m, max_ctx=4096, pool_tokens=512, max_host_bytes=cap, capture_queries=40)
+    rt.eval(np.arange(100, dtype=np.int32) % 250)
+    q0 = rt.captured_queries().copy()
+    assert rt.n_captured == 40
+    with pytest.raises(RuntimeError, match="host store full"):
+        rt.eval((np.arange(1800) % 250).astype(np.int32))
+    assert rt.n_past == 100 and rt.n_captured == 40
+    np.testing.assert_array_equal(rt.captured_queries(), q0)
+
+
+def test_failed_prefill_gives_back_the_captured_queries(small):
+    # The prompt was evaluated (its queries captured), then the post-prompt rescore failed:
+    # the session rewinds, and the window is the one before the prompt again.
+    class Boom:
+        name = "boom"
+        n_capture = 40
+
+        def score(self, view):
+            raise RuntimeError("policy failed")
+
+    s = _session(small, policy=Boom())
+    s.prefill(_ids(100))
+    q0 = s.runtime.captured_queries().copy()
+    assert s.runtime.n_captured == 40
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1000, 2))
+    _consistent(s)
+    assert s.runtime.n_captured == 40
+    np.testing.assert_array_equal(s.runtime.captured_queries(), q0)

@@ -156,7 +156,10 @@ const float *kvflash_get_logits(const kvflash_session *session);
 
 /* Tokens in the context; KVFLASH_EBUSY while another thread is in a call on the session. */
 int64_t kvflash_n_past(const kvflash_session *session);
-/* Forget positions >= n_past. */
+/* Forget positions >= n_past.  With "qk", the queries the policy scores with (the last
+ * qk_queries + qk_contrast evaluated) go with the forgotten positions: evaluate again the
+ * last of the kept tokens (or a prompt of that many) before the next rescore, or it scores
+ * with fewer.  kvflash.Session.truncate does that itself. */
 int kvflash_truncate(kvflash_session *session, int64_t n_past);
 /* Back to an empty context; policy state (scores, the rescore schedule) included. */
 int kvflash_reset(kvflash_session *session);
