@@ -600,6 +600,74 @@ def test_c_api_readers_refuse_while_a_call_computes_and_never_block_one(small):
     assert rc == 0 and "OK" in out, out
 
 
+# ---------------------------------------------------------------- the drafter's own history
+
+@pytest.fixture(scope="module")
+def drafter_file(tmp_path_factory):
+    # another model with the same tokenizer: the drafter is fed the session's own ids (no bridge)
+    return write_small_llama(tmp_path_factory.mktemp("misuse-drafter") / "drafter.gguf", seed=4)
+
+
+def _drafter_session(small, drafter_file, **kw):
+    from kvflash.scoring import DrafterPolicy
+    return _session(small, policy=DrafterPolicy(drafter_file, threads=1), **kw)
+
+
+def _drafter_agrees(s):
+    pol = s.policy
+    assert not pol.bridged
+    assert pol._rt.n_past == len(pol._fed), (pol._rt.n_past, len(pol._fed))
+    assert pol._fed == s.tokens
+
+
+def test_ctrl_c_in_the_drafters_feed_during_prefill_keeps_its_history_with_the_session(small, drafter_file):
+    # The prompt outgrows the pool, so prefill rescores and the drafter is fed the prompt;
+    # Ctrl-C lands as its eval returns.  The session rewinds to before the prompt, and the
+    # drafter's cache and token list go back with it; the retry scores as if never interrupted.
+    s = _drafter_session(small, drafter_file)
+    s.prefill(_ids(700))
+    _drafter_agrees(s)
+    pol = s.policy
+    drt = pol._rt
+    pol._rt = _InterruptAfter(drt, "eval")
+    with pytest.raises(KeyboardInterrupt):
+        s.prefill(_ids(300, 1))
+    pol._rt = drt
+    _consistent(s)
+    assert s.tokens == _ids(700)
+    _drafter_agrees(s)
+    s.prefill(_ids(300, 1))
+    _drafter_agrees(s)
+    ref = _drafter_session(small, drafter_file)
+    ref.prefill(_ids(700))
+    ref.prefill(_ids(300, 1))
+    assert s.tokens == ref.tokens
+    np.testing.assert_allclose(s.last_scores, ref.last_scores, rtol=1e-5, atol=1e-7)
+
+
+def test_ctrl_c_in_the_drafters_feed_during_generate_keeps_its_history_with_the_session(small, drafter_file):
+    from kvflash.scoring import DrafterPolicy
+    s = _drafter_session(small, drafter_file, tau=16)
+    s.prefill(_ids(700))
+    pol = s.policy
+    drt = pol._rt
+    pol._rt = _InterruptAfter(drt, "eval")   # the first decode-time rescore feeds the drafter
+    with pytest.raises(KeyboardInterrupt):
+        for _ in s.generate(max_tokens=40, ignore_eos=True):
+            pass
+    pol._rt = drt
+    _consistent(s)
+    assert len(s.tokens) > 700
+    _drafter_agrees(s)
+    list(s.generate(max_tokens=20, ignore_eos=True))   # carries on, rescoring on its schedule
+    _consistent(s)
+    view = s.chunk_view()
+    got = s.policy.score(view)                         # the next rescore: fed up to the session's history
+    _drafter_agrees(s)
+    want = DrafterPolicy(drafter_file, threads=1).score(view)   # the same history, fed in one go
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max()))
+
+
 # ---------------------------------------------------------------- captured queries across a rewind
 
 @pytest.fixture(scope="module")

@@ -409,6 +409,13 @@ class Session:
             self._reset()
         if self.runtime.n_past != len(self._tokens):  # cannot happen; never leave them apart
             self._reset()
+        self._policy_rewind()
+
+    def _policy_rewind(self) -> None:
+        """Tell the policy the history was cut back (to len(self._tokens)), if it keeps one of its own."""
+        rewind = getattr(self.policy, "rewind", None)
+        if callable(rewind):
+            rewind(len(self._tokens))
 
     def _prefill(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
@@ -630,6 +637,7 @@ class Session:
                         common = 0
                 finally:
                     del self._tokens[self.runtime.n_past:]   # the history follows the cache
+                    self._policy_rewind()
             self.prefill(ids[common:])
             return self.generate(None, **kw)
 
@@ -663,6 +671,7 @@ class Session:
                 # the history follows it.  After a failed re-read that is n_tokens - k tokens,
                 # without logits; prefill continues it.
                 del self._tokens[self.runtime.n_past:]
+                self._policy_rewind()
 
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
