@@ -737,3 +737,64 @@ def test_failed_prefill_gives_back_the_captured_queries(small):
     _consistent(s)
     assert s.runtime.n_captured == 40
     np.testing.assert_array_equal(s.runtime.captured_queries(), q0)
+
+
+# ---------------------------------------------------------------- a tokenizer that disagrees with the model
+
+def test_text_the_model_has_no_embedding_for_is_refused_before_anything_changes(tmp_path):
+    # The tokenizer has one merged token more than the model has rows (" the" -> id 266):
+    # prefill, generate and chat refuse text that encodes to it with a ValueError naming the
+    # mismatch, and the context (a chat's cached reply included) is left as it was.
+    import warnings
+    import kvflash
+    from tinygguf import write_tiny_model
+    path = tmp_path / "bigtok.gguf"
+    write_tiny_model(path, "llama", n_layer=1, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, seed=1,
+                     tokenizer_extra_merges=[("Ġt", "he")],
+                     extra={"tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = kvflash.Session(str(path), max_ctx=256, kvflash=None, policy="lru", threads=1, verbose=False)
+    assert any("tokenizer has 267 tokens" in str(x.message) for x in w)
+    assert s.tokenizer.n_vocab == 267 and s.hparams["n_vocab"] == 266
+    assert 266 in s.tokenize(" the", add_special=False)
+    s.prefill("hello")
+    before = s.tokens
+    for call in (lambda: s.prefill("hello the"), lambda: s.generate(" the", max_tokens=2)):
+        with pytest.raises(ValueError, match="tokenizer.*266"):
+            call()
+        assert s.tokens == before
+    s.reset()
+    reply = "".join(s.chat([{"role": "user", "content": "hello"}], max_tokens=6, ignore_eos=True))
+    assert isinstance(reply, str)
+    before = s.tokens
+    with pytest.raises(ValueError, match="tokenizer.*266"):
+        s.chat([{"role": "user", "content": "hello"}, {"role": "user", "content": " the"}], max_tokens=2)
+    assert s.tokens == before   # the cached reply was not cut away for a prompt that is refused
+    _consistent(s)
+    with pytest.raises(ValueError, match="outside"):
+        s.prefill([266])        # ids, as before
+    s.prefill(" in on")         # what encodes within the model is fine
+    _consistent(s)
+
+
+def test_model_ids_without_text_are_never_sampled_from_the_file(tmp_path):
+    # The file's tokenizer stops at 266 tokens, the model has 300 rows: no sampler setting
+    # yields an id the tokenizer cannot decode, even when the logits favour those rows.
+    import kvflash
+    from tinygguf import write_tiny_model
+    path = tmp_path / "smalltok.gguf"
+    write_tiny_model(path, "llama", n_layer=1, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_vocab=300,
+                     seed=1, tokenizer_size=266)
+    s = kvflash.Session(str(path), max_ctx=512, kvflash=None, policy="lru", threads=1, verbose=False)
+    assert s.tokenizer.n_vocab == 266 and s.hparams["n_vocab"] == 300 and s.runtime.sample_vocab == 266
+    logits = np.full(300, -5.0, dtype=np.float32)
+    logits[266:] = 10.0
+    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=2.0, top_k=5),
+               dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, min_p=0.5)):
+        assert all(s.runtime.sample(logits, **kw) < 266 for _ in range(20)), kw
+    s.prefill([1, 2, 3])
+    for kw in (dict(temperature=0.0), dict(temperature=1.5, seed=3), dict(temperature=1.5, top_k=40, seed=4)):
+        text = "".join(s.generate(max_tokens=30, ignore_eos=True, **kw))
+        assert isinstance(text, str)
+    assert s.n_past == len(s.tokens) and all(t < 266 for t in s.tokens)

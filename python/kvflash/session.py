@@ -358,9 +358,18 @@ class Session:
         return self.runtime.n_past
 
     # ------------------------------------------------------------------ evaluation
+    def _check_text_ids(self, ids: list[int]) -> list[int]:
+        """Ids the tokenizer gave for a text, refused (ValueError) when the model has no embedding for some."""
+        V = self.hparams["n_vocab"]
+        bad = sorted({i for i in ids if i >= V})
+        if bad:
+            raise ValueError(f"the text encodes to token ids {bad[:5]} the model has no embedding for: this GGUF's "
+                             f"tokenizer has {self.tokenizer.n_vocab} tokens, its model {V}; nothing was evaluated")
+        return ids
+
     def _as_ids(self, text_or_ids, *, first: bool) -> list[int]:
         if isinstance(text_or_ids, str):
-            return self.tokenize(text_or_ids, add_special=first, parse_special=True)
+            return self._check_text_ids(self.tokenize(text_or_ids, add_special=first, parse_special=True))
         try:
             ids = [int(t) for t in text_or_ids]
         except TypeError:
@@ -610,6 +619,7 @@ class Session:
         with self._using("chat"):
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+            self._check_text_ids(ids)   # before the cached reply is cut away for it
             common = 0
             for a, b in zip(self._tokens, ids):
                 if a != b:
