@@ -511,3 +511,290 @@ def test_cli_says_when_the_context_is_full(small, capsys):
                      "-t", "1", "-n", "200", "hello there"]) == 0
     err = capsys.readouterr().err
     assert "the context is full (max_ctx 64" in err, err
+
+
+def test_c_api_readers_refuse_while_a_call_computes_and_never_block_one(small):
+    # kvflash_n_past, kvflash_n_chunks, kvflash_get_stats, kvflash_get_logits and
+    # kvflash_last_error read what a running kvflash_eval writes (the logits buffer it
+    # fills, the pager's counters, the message).  From another thread they answer busy
+    # instead (KVFLASH_EBUSY, as n_past; NULL logits; a busy message), and a reader never
+    # makes a call fail: evals and decodes with readers running beside them all succeed.
+    from kvflash import capi
+    rc, out = _run_isolated(f"""
+        import ctypes, threading
+        import numpy as np
+        lib = ctypes.CDLL({str(capi.library_path())!r})
+        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
+
+        class Stats(ctypes.Structure):  # struct kvflash_stats
+            _fields_ = [("n_past", ctypes.c_int64), ("page_outs", ctypes.c_int64), ("page_ins", ctypes.c_int64),
+                        ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
+                        ("resident_chunks", ctypes.c_int32), ("host_chunks", ctypes.c_int32),
+                        ("resident_bytes", ctypes.c_uint64), ("host_bytes", ctypes.c_uint64),
+                        ("pool_tokens", ctypes.c_int32), ("n_chunks", ctypes.c_int32), ("rescores", ctypes.c_int64)]
+
+        V = ctypes.c_void_p
+        lib.kvflash_default_params.restype = Params
+        lib.kvflash_model_load.restype = V
+        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_session_new.restype = V
+        lib.kvflash_session_new.argtypes = [V, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
+        lib.kvflash_eval.argtypes = [V, V, ctypes.c_int32, V]
+        lib.kvflash_decode.argtypes = [V, ctypes.c_int32, V, ctypes.POINTER(ctypes.c_int32)]
+        lib.kvflash_n_past.restype, lib.kvflash_n_past.argtypes = ctypes.c_int64, [V]
+        lib.kvflash_n_chunks.restype, lib.kvflash_n_chunks.argtypes = ctypes.c_int32, [V]
+        lib.kvflash_get_stats.restype, lib.kvflash_get_stats.argtypes = Stats, [V]
+        lib.kvflash_get_logits.restype, lib.kvflash_get_logits.argtypes = ctypes.POINTER(ctypes.c_float), [V]
+        lib.kvflash_last_error.restype, lib.kvflash_last_error.argtypes = ctypes.c_char_p, [V]
+        EBUSY = -4
+        err = ctypes.create_string_buffer(512)
+        m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
+        p = lib.kvflash_default_params()
+        p.max_ctx, p.pool_tokens, p.ubatch = 4096, 512, 64
+        s = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
+        assert m and s, err.value
+        toks = (np.arange(3000) % 250).astype(np.int32)
+        assert lib.kvflash_eval(s, toks.ctypes.data, 10, None) == 0   # logits exist from here on
+        assert lib.kvflash_n_past(s) == 10 and lib.kvflash_get_logits(s)
+
+        got = []
+        t = threading.Thread(target=lambda: got.append(lib.kvflash_eval(s, toks.ctypes.data, 3000, None)))
+        t.start()
+        while t.is_alive() and lib.kvflash_n_past(s) == 10:  # until the eval holds the session
+            pass
+        busy = dict(n_past=0, n_chunks=0, stats=0, logits=0, error=0)
+        while t.is_alive():
+            busy["n_past"] += lib.kvflash_n_past(s) == EBUSY
+            busy["n_chunks"] += lib.kvflash_n_chunks(s) == EBUSY
+            busy["stats"] += lib.kvflash_get_stats(s).n_past == EBUSY
+            busy["logits"] += not lib.kvflash_get_logits(s)
+            busy["error"] += b"another thread" in lib.kvflash_last_error(s)
+        t.join()
+        print("busy", busy, "eval", got)
+        assert got == [0], got
+        assert all(v > 0 for v in busy.values()), busy
+        st = lib.kvflash_get_stats(s)
+        assert lib.kvflash_n_past(s) == st.n_past == 3010 and st.page_outs > 0 and st.n_chunks == 48
+        assert lib.kvflash_get_logits(s) and lib.kvflash_last_error(s) == b""
+
+        # Readers hammering the session never make a call on it fail.
+        stop, reads = threading.Event(), [0]
+        def read():
+            while not stop.is_set():
+                lib.kvflash_n_past(s); lib.kvflash_get_stats(s); lib.kvflash_get_logits(s)
+                lib.kvflash_n_chunks(s); lib.kvflash_last_error(s)
+                reads[0] += 1
+        r = threading.Thread(target=read)
+        r.start()
+        tok, codes = ctypes.c_int32(1), []
+        for i in range(120):
+            codes.append(lib.kvflash_decode(s, tok.value, None, ctypes.byref(tok)))
+        codes.append(lib.kvflash_eval(s, toks.ctypes.data, 200, None))
+        stop.set()
+        r.join()
+        print("decode codes", set(codes), "reads", reads[0])
+        assert codes == [0] * len(codes), codes
+        assert reads[0] > 0 and lib.kvflash_n_past(s) == 3010 + 120 + 200
+        print("OK")
+    """)
+    assert rc == 0 and "OK" in out, out
+
+
+# ---------------------------------------------------------------- the drafter's own history
+
+@pytest.fixture(scope="module")
+def drafter_file(tmp_path_factory):
+    # another model with the same tokenizer: the drafter is fed the session's own ids (no bridge)
+    return write_small_llama(tmp_path_factory.mktemp("misuse-drafter") / "drafter.gguf", seed=4)
+
+
+def _drafter_session(small, drafter_file, **kw):
+    from kvflash.scoring import DrafterPolicy
+    return _session(small, policy=DrafterPolicy(drafter_file, threads=1), **kw)
+
+
+def _drafter_agrees(s):
+    pol = s.policy
+    assert not pol.bridged
+    assert pol._rt.n_past == len(pol._fed), (pol._rt.n_past, len(pol._fed))
+    assert pol._fed == s.tokens
+
+
+def test_ctrl_c_in_the_drafters_feed_during_prefill_keeps_its_history_with_the_session(small, drafter_file):
+    # The prompt outgrows the pool, so prefill rescores and the drafter is fed the prompt;
+    # Ctrl-C lands as its eval returns.  The session rewinds to before the prompt, and the
+    # drafter's cache and token list go back with it; the retry scores as if never interrupted.
+    s = _drafter_session(small, drafter_file)
+    s.prefill(_ids(700))
+    _drafter_agrees(s)
+    pol = s.policy
+    drt = pol._rt
+    pol._rt = _InterruptAfter(drt, "eval")
+    with pytest.raises(KeyboardInterrupt):
+        s.prefill(_ids(300, 1))
+    pol._rt = drt
+    _consistent(s)
+    assert s.tokens == _ids(700)
+    _drafter_agrees(s)
+    s.prefill(_ids(300, 1))
+    _drafter_agrees(s)
+    ref = _drafter_session(small, drafter_file)
+    ref.prefill(_ids(700))
+    ref.prefill(_ids(300, 1))
+    assert s.tokens == ref.tokens
+    np.testing.assert_allclose(s.last_scores, ref.last_scores, rtol=1e-5, atol=1e-7)
+
+
+def test_ctrl_c_in_the_drafters_feed_during_generate_keeps_its_history_with_the_session(small, drafter_file):
+    from kvflash.scoring import DrafterPolicy
+    s = _drafter_session(small, drafter_file, tau=16)
+    s.prefill(_ids(700))
+    pol = s.policy
+    drt = pol._rt
+    pol._rt = _InterruptAfter(drt, "eval")   # the first decode-time rescore feeds the drafter
+    with pytest.raises(KeyboardInterrupt):
+        for _ in s.generate(max_tokens=40, ignore_eos=True):
+            pass
+    pol._rt = drt
+    _consistent(s)
+    assert len(s.tokens) > 700
+    _drafter_agrees(s)
+    list(s.generate(max_tokens=20, ignore_eos=True))   # carries on, rescoring on its schedule
+    _consistent(s)
+    view = s.chunk_view()
+    got = s.policy.score(view)                         # the next rescore: fed up to the session's history
+    _drafter_agrees(s)
+    want = DrafterPolicy(drafter_file, threads=1).score(view)   # the same history, fed in one go
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max()))
+
+
+# ---------------------------------------------------------------- captured queries across a rewind
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    # One layer: its queries and keys depend on the tokens and positions only, not on which
+    # chunks were resident when they were computed, so two sessions that hold the same
+    # tokens score the same whatever their paging history.
+    from tinygguf import write_tiny_model
+    path = tmp_path_factory.mktemp("misuse-one") / "one.gguf"
+    write_tiny_model(str(path), "llama", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=7)
+    return str(path)
+
+
+@pytest.mark.parametrize("cut", [1000, 1450])
+def test_qk_scores_after_truncate_match_a_fresh_session(one_layer, cut):
+    # The qk policy scores with the last n_queries captured queries minus the n_queries
+    # `contrast` tokens before them (40 in all).  Truncating drops the captured queries past
+    # the cut; a short prompt after it must still be scored with a full window, as a
+    # session that never held the dropped tokens scores it.
+    x, z = _ids(1500, 11), _ids(20, 12)
+    a = _session(one_layer, policy="qk")
+    a.prefill(x)
+    a.truncate(cut)
+    _consistent(a)
+    assert a.tokens == x[:cut]
+    a.prefill(z)            # past the pool: the post-prompt rescore scores it
+    b = _session(one_layer, policy="qk")
+    b.prefill(x[:cut])
+    b.prefill(z)
+    assert a.tokens == b.tokens
+    assert a.runtime.n_captured == b.runtime.n_captured == a.policy.n_capture
+    np.testing.assert_allclose(a.last_scores, b.last_scores, rtol=1e-4, atol=1e-6)
+
+
+def test_failed_eval_gives_back_the_captured_queries(small):
+    # All or nothing includes the capture window: a prompt that fails in a later piece
+    # leaves the queries of the tokens before it captured, as they were.
+    m = core.Model(small, n_threads=1)
+    cap = 16 * core.Runtime(m, max_ctx=4096, pool_tokens=512).pager.chunk_bytes
+    rt = core.Runtime(m, max_ctx=4096, pool_tokens=512, max_host_bytes=cap, capture_queries=40)
+    rt.eval(np.arange(100, dtype=np.int32) % 250)
+    q0 = rt.captured_queries().copy()
+    assert rt.n_captured == 40
+    with pytest.raises(RuntimeError, match="host store full"):
+        rt.eval((np.arange(1800) % 250).astype(np.int32))
+    assert rt.n_past == 100 and rt.n_captured == 40
+    np.testing.assert_array_equal(rt.captured_queries(), q0)
+
+
+def test_failed_prefill_gives_back_the_captured_queries(small):
+    # The prompt was evaluated (its queries captured), then the post-prompt rescore failed:
+    # the session rewinds, and the window is the one before the prompt again.
+    class Boom:
+        name = "boom"
+        n_capture = 40
+
+        def score(self, view):
+            raise RuntimeError("policy failed")
+
+    s = _session(small, policy=Boom())
+    s.prefill(_ids(100))
+    q0 = s.runtime.captured_queries().copy()
+    assert s.runtime.n_captured == 40
+    with pytest.raises(RuntimeError, match="policy failed"):
+        s.prefill(_ids(1000, 2))
+    _consistent(s)
+    assert s.runtime.n_captured == 40
+    np.testing.assert_array_equal(s.runtime.captured_queries(), q0)
+
+
+# ---------------------------------------------------------------- a tokenizer that disagrees with the model
+
+def test_text_the_model_has_no_embedding_for_is_refused_before_anything_changes(tmp_path):
+    # The tokenizer has one merged token more than the model has rows (" the" -> id 266):
+    # prefill, generate and chat refuse text that encodes to it with a ValueError naming the
+    # mismatch, and the context (a chat's cached reply included) is left as it was.
+    import warnings
+    import kvflash
+    from tinygguf import write_tiny_model
+    path = tmp_path / "bigtok.gguf"
+    write_tiny_model(path, "llama", n_layer=1, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, seed=1,
+                     tokenizer_extra_merges=[("Ġt", "he")],
+                     extra={"tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = kvflash.Session(str(path), max_ctx=256, kvflash=None, policy="lru", threads=1, verbose=False)
+    assert any("tokenizer has 267 tokens" in str(x.message) for x in w)
+    assert s.tokenizer.n_vocab == 267 and s.hparams["n_vocab"] == 266
+    assert 266 in s.tokenize(" the", add_special=False)
+    s.prefill("hello")
+    before = s.tokens
+    for call in (lambda: s.prefill("hello the"), lambda: s.generate(" the", max_tokens=2)):
+        with pytest.raises(ValueError, match="tokenizer.*266"):
+            call()
+        assert s.tokens == before
+    s.reset()
+    reply = "".join(s.chat([{"role": "user", "content": "hello"}], max_tokens=6, ignore_eos=True))
+    assert isinstance(reply, str)
+    before = s.tokens
+    with pytest.raises(ValueError, match="tokenizer.*266"):
+        s.chat([{"role": "user", "content": "hello"}, {"role": "user", "content": " the"}], max_tokens=2)
+    assert s.tokens == before   # the cached reply was not cut away for a prompt that is refused
+    _consistent(s)
+    with pytest.raises(ValueError, match="outside"):
+        s.prefill([266])        # ids, as before
+    s.prefill(" in on")         # what encodes within the model is fine
+    _consistent(s)
+
+
+def test_model_ids_without_text_are_never_sampled_from_the_file(tmp_path):
+    # The file's tokenizer stops at 266 tokens, the model has 300 rows: no sampler setting
+    # yields an id the tokenizer cannot decode, even when the logits favour those rows.
+    import kvflash
+    from tinygguf import write_tiny_model
+    path = tmp_path / "smalltok.gguf"
+    write_tiny_model(path, "llama", n_layer=1, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_vocab=300,
+                     seed=1, tokenizer_size=266)
+    s = kvflash.Session(str(path), max_ctx=512, kvflash=None, policy="lru", threads=1, verbose=False)
+    assert s.tokenizer.n_vocab == 266 and s.hparams["n_vocab"] == 300 and s.runtime.sample_vocab == 266
+    logits = np.full(300, -5.0, dtype=np.float32)
+    logits[266:] = 10.0
+    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=2.0, top_k=5),
+               dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, min_p=0.5)):
+        assert all(s.runtime.sample(logits, **kw) < 266 for _ in range(20)), kw
+    s.prefill([1, 2, 3])
+    for kw in (dict(temperature=0.0), dict(temperature=1.5, seed=3), dict(temperature=1.5, top_k=40, seed=4)):
+        text = "".join(s.generate(max_tokens=30, ignore_eos=True, **kw))
+        assert isinstance(text, str)
+    assert s.n_past == len(s.tokens) and all(t < 266 for t in s.tokens)

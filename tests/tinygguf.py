@@ -180,6 +180,8 @@ def write_tiny_model(
     final_logit_softcapping: float | None = None,
     weight_scale: float = 1.0,
     extra: dict[str, Any] | None = None,
+    tokenizer_size: int | None = None,
+    tokenizer_extra_merges: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Write a tiny random-weight GGUF model and return its exact weights.
 
@@ -195,6 +197,13 @@ def write_tiny_model(
     ``gemma_rope_base_swa``: value written to ``gemma3.rope.freq_base_swa``
     (``None`` = key omitted, llama.cpp then uses 10000).  ``extra``: additional
     metadata key/values written verbatim (bool/int/float/str/list).
+
+    A tokenizer that disagrees with the model (hostile or mistaken files):
+    ``tokenizer_size`` writes only the first N tokens of the vocabulary (the
+    model keeps its n_vocab embedding rows, so the ids from N on have no text);
+    ``tokenizer_extra_merges`` appends merged tokens (pairs of existing token
+    strings) to the tokenizer only, after the model's last id, so text can encode
+    to ids the model has no embedding for.
 
     Weight init (so activations stay O(1) and logits / attention are not
     degenerate): matrices ~ N(0, (weight_scale/sqrt(fan_in))^2), token embedding
@@ -304,9 +313,20 @@ def write_tiny_model(
     # tokenizer
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["token_types"])
-    w.add_token_merges(vocab["merges"])
+    tok_list, tok_types, tok_merges = list(vocab["tokens"]), list(vocab["token_types"]), list(vocab["merges"])
+    if tokenizer_size is not None:
+        if not vocab["eos_id"] < tokenizer_size <= n_vocab:
+            raise ValueError(f"tokenizer_size must be in ({vocab['eos_id']}, {n_vocab}]")
+        tok_list, tok_types = tok_list[:tokenizer_size], tok_types[:tokenizer_size]
+    for a, b in tokenizer_extra_merges or []:
+        if a not in tok_list or b not in tok_list or a + b in tok_list:
+            raise ValueError(f"extra merge {a!r} + {b!r}: both parts must be tokens, the result a new one")
+        tok_merges.append(f"{a} {b}")
+        tok_list.append(a + b)
+        tok_types.append(int(gguf.TokenType.NORMAL))
+    w.add_token_list(tok_list)
+    w.add_token_types(tok_types)
+    w.add_token_merges(tok_merges)
     w.add_bos_token_id(vocab["bos_id"])
     w.add_eos_token_id(vocab["eos_id"])
     w.add_add_bos_token(True)

@@ -1,5 +1,6 @@
 // The scoring kernels (scoring.h) as Runtime methods: the policies' reads of the cache.
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 
 #include "bindings.h"
@@ -99,7 +100,24 @@ void bind_scoring(RuntimeClass &cls) {
                  const auto &q = r.rt->captured_queries();
                  const py::ssize_t L = nc ? py::ssize_t(q.size() / (size_t(nc) * h.n_head * h.head_dim_k)) : 0;
                  return py::array_t<float>({L, py::ssize_t(nc), py::ssize_t(h.n_head), py::ssize_t(h.head_dim_k)}, q.data());
-             }, "Post-RoPE queries of the last eval's final tokens: [n_paged_layers, n_captured, n_head, head_dim].");
+             }, "Post-RoPE queries of the last eval's final tokens: [n_paged_layers, n_captured, n_head, head_dim].")
+        .def("set_captured_queries", [](PyRuntime &r, py::array q) {
+                 InUse use(&r.busy);
+                 auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(q);
+                 const Hparams &h = r.model->hparams();
+                 // an empty window (no query captured) comes as [0, 0, n_head, head_dim]
+                 if (!a || a.ndim() != 4 || (a.shape(1) > 0 && a.shape(0) != r.rt->captured_layers()) ||
+                     a.shape(2) != h.n_head || a.shape(3) != h.head_dim_k)
+                     throw std::invalid_argument("set_captured_queries: a float32 array [n_paged_layers=" +
+                                                 std::to_string(r.rt->captured_layers()) + ", k, n_head=" +
+                                                 std::to_string(h.n_head) + ", head_dim=" +
+                                                 std::to_string(h.head_dim_k) + "], as captured_queries() gives");
+                 const int64_t k = a.shape(1);
+                 if (k > int64_t(INT32_MAX)) throw std::invalid_argument("set_captured_queries: too many queries");
+                 r.rt->set_captured(std::vector<float>(a.data(), a.data() + a.size()), int32_t(k));
+             }, py::arg("queries"),
+             "Put back a capture window (what captured_queries() gave at this n_past, before a later eval was "
+             "truncated away): the queries of positions n_past - k .. n_past - 1.");
 }
 
 }  // namespace kvflash::bindings

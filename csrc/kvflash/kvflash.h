@@ -22,7 +22,11 @@
  * lock per model, so different sessions, over one model or not, may be used from
  * different threads at once.  One session serves one call at a time: a call
  * that overlaps another on the same session returns KVFLASH_EBUSY and does
- * nothing (serialize calls on a session yourself).  kvflash_default_params,
+ * nothing (serialize calls on a session yourself).  The readers (kvflash_n_past,
+ * kvflash_n_chunks, kvflash_get_stats, kvflash_get_logits, kvflash_last_error)
+ * never make a call fail and never wait: while a call runs on the session they
+ * answer busy (since API version 6; see each), otherwise the call that starts
+ * next waits the few loads they take.  kvflash_default_params,
  * kvflash_default_sampling and kvflash_version are safe from any thread.
  *
  * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct
@@ -44,7 +48,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 5
+#define KVFLASH_API_VERSION 6
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -146,11 +150,16 @@ int kvflash_decode(kvflash_session *session, int32_t token, const struct kvflash
 /* Sample from logits (n_vocab floats; NULL: the session's last logits) into *token. */
 int kvflash_sample(kvflash_session *session, const float *logits, const struct kvflash_sampling *sp, int32_t *token);
 int kvflash_set_seed(kvflash_session *session, uint64_t seed);
-/* The last logits (n_vocab floats), or NULL before any eval.  Valid until the next call on the session. */
+/* The last logits (n_vocab floats), or NULL before any eval and while another thread is
+ * in a call on the session.  Valid until the next call on the session. */
 const float *kvflash_get_logits(const kvflash_session *session);
 
+/* Tokens in the context; KVFLASH_EBUSY while another thread is in a call on the session. */
 int64_t kvflash_n_past(const kvflash_session *session);
-/* Forget positions >= n_past. */
+/* Forget positions >= n_past.  With "qk", the queries the policy scores with (the last
+ * qk_queries + qk_contrast evaluated) go with the forgotten positions: evaluate again the
+ * last of the kept tokens (or a prompt of that many) before the next rescore, or it scores
+ * with fewer.  kvflash.Session.truncate does that itself. */
 int kvflash_truncate(kvflash_session *session, int64_t n_past);
 /* Back to an empty context; policy state (scores, the rescore schedule) included. */
 int kvflash_reset(kvflash_session *session);
@@ -161,13 +170,16 @@ int kvflash_rescore(kvflash_session *session, int32_t *moved);
 /* Bring your own scores: repage the pool to the chunks with the highest scores
  * (n scores, one per chunk, n <= kvflash_n_chunks(); no NaN). */
 int kvflash_reselect(kvflash_session *session, const float *scores, int32_t n);
-/* Chunks materialised so far: ceil(n_past / chunk_tokens). */
+/* Chunks materialised so far: ceil(n_past / chunk_tokens); KVFLASH_EBUSY while another
+ * thread is in a call on the session. */
 int32_t kvflash_n_chunks(const kvflash_session *session);
 /* flags[c] for chunks 0 .. n-1 (n <= kvflash_n_chunks()): KVFLASH_CHUNK_* bits. */
 int kvflash_chunk_flags(const kvflash_session *session, uint8_t *flags, int32_t n);
 
+/* While another thread is in a call on the session: all zero but n_past, which is KVFLASH_EBUSY. */
 struct kvflash_stats kvflash_get_stats(const kvflash_session *session);
-/* The last error message of this session ("" if none).  Valid until the next call on it. */
+/* The last error message of this session ("" if none); while another thread is in a call
+ * on it, a fixed message saying so.  Valid until the next call on it. */
 const char *kvflash_last_error(const kvflash_session *session);
 
 #ifdef __cplusplus

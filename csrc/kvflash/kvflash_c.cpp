@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvflash/limits.h"  // kMaxContext
@@ -38,7 +39,8 @@ struct kvflash_session {
     std::vector<float> logits;   // after the last evaluated token (empty before any eval)
     std::vector<float> scores;
     mutable std::string err;
-    mutable std::atomic<bool> busy{false};  // guarded(): one call at a time
+    mutable std::atomic<bool> busy{false};     // guarded(): one call at a time
+    mutable std::atomic<int32_t> readers{0};   // reading(): readers in progress; a call waits for them
 
     int32_t n_chunks() const {
         const int64_t C = rt->config().chunk_tokens;
@@ -78,6 +80,8 @@ template <class S, class F> int guarded(S *s, F f) {
         std::atomic<bool> &b;
         ~Release() { b.store(false); }
     } release{s->busy};
+    // A reader that came in before busy was set finishes first (a few loads; see reading()).
+    while (s->readers.load() != 0) std::this_thread::yield();
     try {
         f();
         s->err.clear();
@@ -96,6 +100,30 @@ template <class S, class F> int guarded(S *s, F f) {
         return KVFLASH_ERUNTIME;
     }
 }
+
+// The readers (n_past, n_chunks, stats, logits, the message) read what a call writes.
+// They neither fail a call nor wait for one: a reader announces itself, then looks at
+// busy; while a call runs it answers busy at once (returns false, f not run), otherwise
+// the call that starts next waits in guarded() until the reader is done.  Both sides
+// use sequentially consistent atomics (the reader's increment before its load of busy,
+// the call's exchange of busy before its load of readers), so at least one of them
+// sees the other.  Readers never write the session; several may read at once.
+template <class F> bool reading(const kvflash_session *s, F f) {
+    s->readers.fetch_add(1);
+    struct Leave {
+        std::atomic<int32_t> &r;
+        ~Leave() { r.fetch_sub(1); }
+    } leave{s->readers};
+    if (s->busy.load()) return false;
+    try {
+        f();   // plain reads; nothing may escape into C even so
+    } catch (...) {
+        return false;
+    }
+    return true;
+}
+
+const char *const kBusyMessage = "busy: another thread is in a call on this session (KVFLASH_EBUSY)";
 
 kvflash::SamplerParams sampler_params(const kvflash_sampling *sp) {
     const kvflash_sampling d = kvflash_default_sampling();
@@ -291,10 +319,17 @@ int kvflash_set_seed(kvflash_session *s, uint64_t seed) {
 }
 
 const float *kvflash_get_logits(const kvflash_session *s) {
-    return s && !s->logits.empty() ? s->logits.data() : nullptr;
+    const float *out = nullptr;
+    if (s) reading(s, [&] { out = s->logits.empty() ? nullptr : s->logits.data(); });
+    return out;
 }
 
-int64_t kvflash_n_past(const kvflash_session *s) { return s ? s->rt->n_past() : 0; }
+int64_t kvflash_n_past(const kvflash_session *s) {
+    if (!s) return 0;
+    int64_t n = KVFLASH_EBUSY;
+    reading(s, [&] { n = s->rt->n_past(); });
+    return n;
+}
 
 int kvflash_truncate(kvflash_session *s, int64_t n_past) {
     return guarded(s, [&] {
@@ -331,7 +366,12 @@ int kvflash_reselect(kvflash_session *s, const float *scores, int32_t n) {
     });
 }
 
-int32_t kvflash_n_chunks(const kvflash_session *s) { return s ? s->n_chunks() : 0; }
+int32_t kvflash_n_chunks(const kvflash_session *s) {
+    if (!s) return 0;
+    int32_t n = KVFLASH_EBUSY;
+    reading(s, [&] { n = s->n_chunks(); });
+    return n;
+}
 
 int kvflash_chunk_flags(const kvflash_session *s, uint8_t *flags, int32_t n) {
     return guarded(s, [&] {
@@ -351,8 +391,8 @@ kvflash_stats kvflash_get_stats(const kvflash_session *s) {
     kvflash_stats out;
     std::memset(&out, 0, sizeof out);
     if (!s) return out;
-    try {
-        const kvflash::PagerStats p = s->rt->pager().stats();
+    const bool read = reading(s, [&] {
+        const kvflash::PagerStats p = s->rt->pager().stats();  // plain reads: nothing here throws
         out.n_past = s->rt->n_past();
         out.page_outs = p.page_outs;
         out.page_ins = p.page_ins;
@@ -365,12 +405,16 @@ kvflash_stats kvflash_get_stats(const kvflash_session *s) {
         out.pool_tokens = s->rt->pager().config().pool_tokens;
         out.n_chunks = s->n_chunks();
         out.rescores = s->rescores;
-    } catch (...) {
-        s->err = "stats: unexpected error";
-    }
+    });
+    if (!read) out.n_past = KVFLASH_EBUSY;
     return out;
 }
 
-const char *kvflash_last_error(const kvflash_session *s) { return s ? s->err.c_str() : "session is NULL"; }
+const char *kvflash_last_error(const kvflash_session *s) {
+    if (!s) return "session is NULL";
+    const char *msg = kBusyMessage;
+    reading(s, [&] { msg = s->err.c_str(); });
+    return msg;
+}
 
 }  // extern "C"

@@ -232,6 +232,11 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     const int32_t C = cfg_.chunk_tokens, P = cache_->pool->pool_tokens();
     const int64_t start = n_past_;
     int32_t done = 0;
+    // A later piece may fail: the capture window before the eval comes back with the cache.
+    // (One token is one piece, which fails before it changes anything: no copy then.)
+    const int32_t captured0 = n_captured_;
+    std::vector<float> queries0;
+    if (n > 1) queries0 = captured_q_;
     try {
     while (done < n) {
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
@@ -251,7 +256,11 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         // All or nothing: a failure (or an interrupt) in a later piece takes back the
         // earlier ones, unless the sliding-window ring cannot rewind that far.
         if (n_past_ > start) {
-            try { truncate(start); } catch (const std::exception &) {}
+            try {
+                truncate(start);
+                captured_q_.swap(queries0);
+                n_captured_ = captured0;
+            } catch (const std::exception &) {}
         }
         throw;
     }
@@ -363,6 +372,23 @@ void Runtime::keep_captured(const Graph &g) {
     }
     captured_q_.swap(next);
     n_captured_ = keep + nc;
+}
+
+int32_t Runtime::captured_layers() const { return cache_->pool->n_layers(); }  // the paged layers evaluated
+
+void Runtime::set_captured(std::vector<float> q, int32_t k) {
+    const Hparams &hp = model_->hparams();
+    if (k < 0 || k > cfg_.capture_queries || k > n_past_)
+        throw std::invalid_argument("set_captured: " + std::to_string(k) + " queries, at most capture_queries (" +
+                                    std::to_string(cfg_.capture_queries) + ") and n_past (" +
+                                    std::to_string(n_past_) + ")");
+    const size_t want = size_t(captured_layers()) * size_t(k) * hp.n_head * hp.head_dim_k;
+    if (q.size() != want)
+        throw std::invalid_argument("set_captured: " + std::to_string(q.size()) + " floats for " + std::to_string(k) +
+                                    " queries; expected " + std::to_string(want) +
+                                    " ([paged layers][queries][n_head][head_dim])");
+    captured_q_ = std::move(q);
+    n_captured_ = k;
 }
 
 void Runtime::truncate(int64_t n_past) {

@@ -122,6 +122,13 @@ public:
     // for positions n_past - n_captured .. n_past - 1.
     int32_t n_captured() const { return n_captured_; }
     const std::vector<float> &captured_queries() const { return captured_q_; }
+    // Paged layers among the evaluated ones: the captured queries' first dimension.
+    int32_t captured_layers() const;
+    // Put back a capture window: q holds the queries of positions n_past - k .. n_past - 1,
+    // [captured_layers()][k][n_head][head_dim] (what captured_queries() held at this n_past
+    // before a later eval and a truncate back to here).  invalid_argument for a k above
+    // capture_queries or n_past, or a size that does not fit.
+    void set_captured(std::vector<float> q, int32_t k);
 
 private:
     friend class Snapshot;   // snapshot.cpp: the ring, n_past and the captured queries

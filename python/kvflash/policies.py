@@ -1,7 +1,8 @@
 """Residency policies: which chunks deserve the pool's slots.
 
 A policy is any object with ``name`` and ``score(view) -> ndarray | None``
-(optionally ``reset()``).  At each rescore the session hands it a
+(optionally ``reset()``, and ``rewind(n_tokens)``: the session's history was cut
+back to its first n_tokens, for a policy that keeps state per token).  At each rescore the session hands it a
 :class:`ChunkView`; a policy returns one float per chunk (higher = keep) and the
 pager repages the pool to the top-scoring set, or returns ``None`` to leave the
 pager's own recency order in charge.  The core never sees a policy: it only

@@ -306,9 +306,38 @@ class DrafterPolicy:
     def _n_capture(self) -> int:
         return self.n_queries + self.contrast
 
+    # The drafter's token list (_fed) and its cache hold the same tokens at every step that
+    # returns, and a Ctrl-C (KeyboardInterrupt, delivered as a call returns) cannot part them:
+    # the list follows the cache's n_past (an eval is all or nothing), and _sync mends what an
+    # interrupt between two statements could still leave.
+    def _sync(self) -> None:
+        n = self._rt.n_past
+        if n != len(self._fed):
+            self._cut(min(n, len(self._fed)))
+
+    def _cut(self, n: int) -> None:
+        """Forget the drafter's history past its first n tokens (cache and list)."""
+        try:
+            self._rt.truncate(n)
+        except ValueError:   # a sliding-window ring that does not reach back so far
+            self._rt.reset()
+        finally:
+            del self._fed[self._rt.n_past:]
+
+    def rewind(self, n_tokens: int) -> None:
+        """The session's history was cut back to its first n_tokens (a failed or interrupted prefill,
+        ``Session.truncate``, a chat turn that diverged): forget what the drafter was fed past them.
+        A bridged drafter's tokens are its own, so it finds the common prefix at its next feed instead."""
+        if self._rt is None or self.bridged:
+            return
+        self._sync()
+        if len(self._fed) > n_tokens:
+            self._cut(n_tokens)
+
     def _feed(self, ids: list[int]) -> None:
         """Evaluate what the drafter has not seen of ``ids`` (a shorter or changed history is truncated
         first, then at least the tail whose queries are captured is evaluated again)."""
+        self._sync()
         common = 0
         for a, b in zip(self._fed, ids):
             if a != b:
@@ -317,17 +346,17 @@ class DrafterPolicy:
         if len(ids) - common < self._n_capture and common < len(self._fed):
             common = max(0, len(ids) - self._n_capture)   # re-evaluate the tail to capture its queries
         if common < len(self._fed):
-            try:
-                self._rt.truncate(common)
-            except ValueError:
-                self._rt.reset()
-                common = 0
-            del self._fed[common:]
+            self._cut(common)
+            common = len(self._fed)
         new = ids[common:]
         if new:
-            self._rt.eval(np.asarray(new, dtype=np.int32))
-            self._fed.extend(new)
-            self.fed_tokens_total += len(new)
+            n0 = self._rt.n_past
+            try:
+                self._rt.eval(np.asarray(new, dtype=np.int32))
+            finally:
+                if self._rt.n_past == n0 + len(new):   # evaluated, even if Ctrl-C landed as it returned
+                    self._fed.extend(new)
+                    self.fed_tokens_total += len(new)
 
     def _token_scores(self, first: int = -1) -> np.ndarray:
         """Per drafter position: attention the tail's queries pay it (every key of the history);

@@ -216,14 +216,15 @@ class Session:
         self.policy = self._make_policy(policy, drafter)
 
         pool = self._pool_tokens(kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks)
+        # the queries the policy scores with (qk: n_queries + contrast), captured by the runtime
+        self._n_capture = int(getattr(self.policy, "n_capture", getattr(self.policy, "n_queries", 1)))
         self.runtime = _core.Runtime(self.model, max_ctx=max_ctx, pool_tokens=pool, kv_type=kv_type,
                                      chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                      tail_window_chunks=tail_window_chunks, ubatch=ubatch, host=host,
                                      host_path=None if host_path is None else str(host_path),
                                      seed=0 if seed is None else int(seed), max_host_bytes=max_host_bytes or 0,
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
-                                     capture_queries=int(getattr(self.policy, "n_capture",
-                                                                 getattr(self.policy, "n_queries", 1))))
+                                     capture_queries=self._n_capture)
         if self.tokenizer.n_vocab < hp["n_vocab"]:
             # Padded embedding rows (ids the tokenizer has no text for): never sample them,
             # or the stream would meet an id it cannot decode.
@@ -357,9 +358,18 @@ class Session:
         return self.runtime.n_past
 
     # ------------------------------------------------------------------ evaluation
+    def _check_text_ids(self, ids: list[int]) -> list[int]:
+        """Ids the tokenizer gave for a text, refused (ValueError) when the model has no embedding for some."""
+        V = self.hparams["n_vocab"]
+        bad = sorted({i for i in ids if i >= V})
+        if bad:
+            raise ValueError(f"the text encodes to token ids {bad[:5]} the model has no embedding for: this GGUF's "
+                             f"tokenizer has {self.tokenizer.n_vocab} tokens, its model {V}; nothing was evaluated")
+        return ids
+
     def _as_ids(self, text_or_ids, *, first: bool) -> list[int]:
         if isinstance(text_or_ids, str):
-            return self.tokenize(text_or_ids, add_special=first, parse_special=True)
+            return self._check_text_ids(self.tokenize(text_or_ids, add_special=first, parse_special=True))
         try:
             ids = [int(t) for t in text_or_ids]
         except TypeError:
@@ -386,23 +396,35 @@ class Session:
                 raise ValueError(f"prompt of {len(ids)} tokens on top of {self.runtime.n_past} in context exceeds "
                                  f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
             n0, logits0, since0 = len(self._tokens), self._last_logits, self._since_rescore
+            # the policy's capture window: the prompt's eval replaces it, a rewind puts it back
+            queries0 = self.runtime.captured_queries() if self._scored() else None
             try:
                 return self._prefill(ids)
             except BaseException:
-                self._rewind(n0, logits0, since0)
+                self._rewind(n0, logits0, since0, queries0)
                 raise
 
-    def _rewind(self, n: int, last_logits, since_rescore: int) -> None:
-        """Put the context back to its first n tokens after a failed call."""
+    def _rewind(self, n: int, last_logits, since_rescore: int, queries=None) -> None:
+        """Put the context back to its first n tokens after a failed call (queries: the
+        capture window it had there)."""
         del self._tokens[n:]
         try:
             if self.runtime.n_past > n:
                 self.runtime.truncate(n)
+                if queries is not None:
+                    self.runtime.set_captured_queries(queries)
             self._last_logits, self._since_rescore = last_logits, since_rescore
         except ValueError:  # the sliding-window ring cannot rewind that far
             self._reset()
         if self.runtime.n_past != len(self._tokens):  # cannot happen; never leave them apart
             self._reset()
+        self._policy_rewind()
+
+    def _policy_rewind(self) -> None:
+        """Tell the policy the history was cut back (to len(self._tokens)), if it keeps one of its own."""
+        rewind = getattr(self.policy, "rewind", None)
+        if callable(rewind):
+            rewind(len(self._tokens))
 
     def _prefill(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
@@ -597,6 +619,7 @@ class Session:
         with self._using("chat"):
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+            self._check_text_ids(ids)   # before the cached reply is cut away for it
             common = 0
             for a, b in zip(self._tokens, ids):
                 if a != b:
@@ -604,20 +627,36 @@ class Session:
                 common += 1
             if common == len(ids):
                 common -= 1  # re-evaluate the last token to get fresh logits
+            common = max(common, 0)
             if common < len(self._tokens):
+                # Cutting drops the captured queries past the cut: re-read enough of the kept
+                # prefix that the prompt's eval captures a whole window (scored policies).
+                cuts = [common]
+                if self._scored() and len(ids) - common < self._n_capture:
+                    cuts.insert(0, max(0, len(ids) - self._n_capture))
                 try:
-                    self.runtime.truncate(max(common, 0))
-                    del self._tokens[max(common, 0):]
-                except ValueError:
-                    self._reset()
-                    common = 0
-            self.prefill(ids[max(common, 0):])
+                    for cut in cuts:
+                        try:
+                            self.runtime.truncate(cut)
+                        except ValueError:   # the sliding-window ring does not reach back to cut
+                            continue
+                        common = cut
+                        break
+                    else:
+                        self._reset()
+                        common = 0
+                finally:
+                    del self._tokens[self.runtime.n_past:]   # the history follows the cache
+                    self._policy_rewind()
+            self.prefill(ids[common:])
             return self.generate(None, **kw)
 
     def truncate(self, n_tokens: int) -> None:
-        """Rewind the context to its first n_tokens (0: reset); the last kept token is read
-        again so generate() continues from fresh logits.  ValueError when gemma3's
-        sliding-window ring no longer reaches that far back (reset and prefill instead)."""
+        """Rewind the context to its first n_tokens (0: reset).  The last kept tokens are read
+        again, so generate() continues from fresh logits and a scored policy's capture window
+        (qk: its last n_queries + contrast queries, which go with the forgotten tokens) is
+        whole again, as in a session that only ever held these tokens.  ValueError when
+        gemma3's sliding-window ring no longer reaches that far back (reset and prefill instead)."""
         with self._using("truncate"):
             if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= len(self._tokens):
                 raise ValueError(f"truncate: n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
@@ -626,15 +665,23 @@ class Session:
                 return
             if n_tokens == len(self._tokens):
                 return
-            last = self._tokens[n_tokens - 1]
-            self.runtime.truncate(n_tokens - 1)  # ValueError (ring) before anything changed
-            del self._tokens[n_tokens - 1:]
+            k = min(n_tokens, self._n_capture) if self._scored() else 1
             try:
-                self._last_logits = self.runtime.eval(np.asarray([last], dtype=np.int32))
-                self._tokens.append(last)
-            except BaseException:
-                self._last_logits = None  # the context holds n_tokens - 1 tokens; prefill continues it
-                raise
+                try:
+                    self.runtime.truncate(n_tokens - k)  # ValueError (ring) before anything changed
+                except ValueError:
+                    if k == 1:
+                        raise
+                    k = 1   # the ring reaches back to the last token only: a shorter capture window then
+                    self.runtime.truncate(n_tokens - k)
+                self._last_logits = None
+                self._last_logits = self.runtime.eval(np.asarray(self._tokens[n_tokens - k:n_tokens], dtype=np.int32))
+            finally:
+                # The cache holds a prefix of the history whatever happened (a Ctrl-C included):
+                # the history follows it.  After a failed re-read that is n_tokens - k tokens,
+                # without logits; prefill continues it.
+                del self._tokens[self.runtime.n_past:]
+                self._policy_rewind()
 
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
