@@ -3,9 +3,7 @@ test starts on a free loopback port.  The test extra pulls in the serve extra, s
 dependency fails here instead of skipping (CI must run these)."""
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,44 +24,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from tinygguf import write_tiny_model  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvflash.bench.routines.serve import ServerProcess  # noqa: E402
 
 
-class Server:
+class Server(ServerProcess):
+    """kvflash serve on a free loopback port (the bench's launcher), with the tests' session flags."""
+
     def __init__(self, model, *args):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvflash", "serve", model, "--port", str(self.port), "--max-ctx", "2048",
-               "--kvflash", "512", "--kvflash-policy", "lru", "-t", "1", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError("the server exited: " + self.proc.stdout.read())
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.2)
+        super().__init__(model, ["--max-ctx", "2048", "--kvflash", "512", "--kvflash-policy", "lru", "-t", "1", *args],
+                         timeout=120)
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
