@@ -405,16 +405,16 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
                 }
         for (int64_t t0 = s0; t0 < s1; t0 += kTile) {
             const int64_t nt = std::min<int64_t>(kTile, s1 - t0);
-#if defined(__SSE2__)
+#if defined(__GNUC__)
             // The next tile's K/V rows of this head, asked for now: the rows are a strided walk (one KV
             // head's bytes out of each pool row) and the compute of one tile hides their latency.
             for (int64_t j = t0 + kTile, je = std::min(s1, t0 + 2 * kTile); j < je; ++j) {
                 const char *kr = static_cast<const char *>(k->data) + j * k->nb[1] + g * k_head;
                 const char *vr = static_cast<const char *>(v->data) + j * v->nb[1] + g * v_head;
-                _mm_prefetch(kr, _MM_HINT_T0);
-                _mm_prefetch(kr + k_head - 1, _MM_HINT_T0);
-                _mm_prefetch(vr, _MM_HINT_T0);
-                _mm_prefetch(vr + v_head - 1, _MM_HINT_T0);
+                __builtin_prefetch(kr);
+                __builtin_prefetch(kr + k_head - 1);
+                __builtin_prefetch(vr);
+                __builtin_prefetch(vr + v_head - 1);
             }
 #endif
             // Which tile slots does any query see?  Dequantize only those.
