@@ -266,19 +266,43 @@ class Params(ctypes.Structure):
                 ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32)]
 
 
+class Stats(ctypes.Structure):
+    """struct kvflash_stats as kvflash.h declares it."""
+    _fields_ = [("n_past", ctypes.c_int64), ("page_outs", ctypes.c_int64), ("page_ins", ctypes.c_int64),
+                ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
+                ("resident_chunks", ctypes.c_int32), ("host_chunks", ctypes.c_int32),
+                ("resident_bytes", ctypes.c_uint64), ("host_bytes", ctypes.c_uint64),
+                ("pool_tokens", ctypes.c_int32), ("n_chunks", ctypes.c_int32), ("rescores", ctypes.c_int64)]
+
+
+def declare(lib):
+    """The C API's signatures on a ctypes handle of libkvflash (the tests' subprocesses share it)."""
+    V, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    sig = {"kvflash_default_params": (Params, []),
+           "kvflash_max_context": (I64, []),
+           "kvflash_model_load": (V, [ctypes.c_char_p, I32, ctypes.c_char_p, ctypes.c_size_t]),
+           "kvflash_model_free": (None, [V]),
+           "kvflash_session_new": (V, [V, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]),
+           "kvflash_eval": (ctypes.c_int, [V, V, I32, V]),
+           "kvflash_decode": (ctypes.c_int, [V, I32, V, ctypes.POINTER(I32)]),
+           "kvflash_set_seed": (ctypes.c_int, [V, ctypes.c_uint64]),
+           "kvflash_n_past": (I64, [V]),
+           "kvflash_n_chunks": (I32, [V]),
+           "kvflash_get_stats": (Stats, [V]),
+           "kvflash_get_logits": (ctypes.POINTER(ctypes.c_float), [V]),
+           "kvflash_last_error": (ctypes.c_char_p, [V])}
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    return lib
+
+
 def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     proc = run_python(f"""
         import ctypes
         from kvflash import capi
-        from test_capi import Params
-        lib = ctypes.CDLL(str(capi.library_path()))
-        lib.kvflash_default_params.restype = Params
-        lib.kvflash_model_load.restype = ctypes.c_void_p
-        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_session_new.restype = ctypes.c_void_p
-        lib.kvflash_session_new.argtypes = [ctypes.c_void_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_max_context.restype = ctypes.c_int64
-        lib.kvflash_model_free.argtypes = [ctypes.c_void_p]
+        from test_capi import Params, declare
+        lib = declare(ctypes.CDLL(str(capi.library_path())))
         err = ctypes.create_string_buffer(512)
         p = lib.kvflash_default_params()
         assert p.struct_size == ctypes.sizeof(Params), (p.struct_size, ctypes.sizeof(Params))

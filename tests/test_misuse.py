@@ -434,17 +434,8 @@ def test_c_api_session_refuses_an_overlapping_call_and_caps_its_host_store(small
     rc, out = _run_isolated(f"""
         import ctypes, threading
         import numpy as np
-        lib = ctypes.CDLL({str(capi.library_path())!r})
-        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
-        lib.kvflash_default_params.restype = Params
-        lib.kvflash_model_load.restype = ctypes.c_void_p
-        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_session_new.restype = ctypes.c_void_p
-        lib.kvflash_session_new.argtypes = [ctypes.c_void_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_eval.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
-        lib.kvflash_set_seed.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-        lib.kvflash_n_past.restype = ctypes.c_int64
-        lib.kvflash_n_past.argtypes = [ctypes.c_void_p]
+        from test_capi import declare  # the C API's signatures, as kvflash.h declares them
+        lib = declare(ctypes.CDLL({str(capi.library_path())!r}))
         err = ctypes.create_string_buffer(512)
         m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
         p = lib.kvflash_default_params()
@@ -465,8 +456,6 @@ def test_c_api_session_refuses_an_overlapping_call_and_caps_its_host_store(small
         print("codes", codes, "eval", got, "n_past", lib.kvflash_n_past(s))
         assert got == [0] and codes.get(-4, 0) > 0 and lib.kvflash_n_past(s) == 3000
         # API version 4: max_host_bytes; past it a call fails with ERUNTIME and changes nothing
-        lib.kvflash_last_error.restype = ctypes.c_char_p
-        lib.kvflash_last_error.argtypes = [ctypes.c_void_p]
         p.max_host_bytes = 1 << 18  # 15 chunks of this model: the 3000-token prompt needs ~39 page-outs
         capped = lib.kvflash_session_new(m, ctypes.byref(p), err, 512)
         assert capped, err.value
@@ -523,29 +512,8 @@ def test_c_api_readers_refuse_while_a_call_computes_and_never_block_one(small):
     rc, out = _run_isolated(f"""
         import ctypes, threading
         import numpy as np
-        lib = ctypes.CDLL({str(capi.library_path())!r})
-        from test_capi import Params  # struct kvflash_params, as kvflash.h declares it
-
-        class Stats(ctypes.Structure):  # struct kvflash_stats
-            _fields_ = [("n_past", ctypes.c_int64), ("page_outs", ctypes.c_int64), ("page_ins", ctypes.c_int64),
-                        ("bytes_out", ctypes.c_int64), ("bytes_in", ctypes.c_int64),
-                        ("resident_chunks", ctypes.c_int32), ("host_chunks", ctypes.c_int32),
-                        ("resident_bytes", ctypes.c_uint64), ("host_bytes", ctypes.c_uint64),
-                        ("pool_tokens", ctypes.c_int32), ("n_chunks", ctypes.c_int32), ("rescores", ctypes.c_int64)]
-
-        V = ctypes.c_void_p
-        lib.kvflash_default_params.restype = Params
-        lib.kvflash_model_load.restype = V
-        lib.kvflash_model_load.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_session_new.restype = V
-        lib.kvflash_session_new.argtypes = [V, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]
-        lib.kvflash_eval.argtypes = [V, V, ctypes.c_int32, V]
-        lib.kvflash_decode.argtypes = [V, ctypes.c_int32, V, ctypes.POINTER(ctypes.c_int32)]
-        lib.kvflash_n_past.restype, lib.kvflash_n_past.argtypes = ctypes.c_int64, [V]
-        lib.kvflash_n_chunks.restype, lib.kvflash_n_chunks.argtypes = ctypes.c_int32, [V]
-        lib.kvflash_get_stats.restype, lib.kvflash_get_stats.argtypes = Stats, [V]
-        lib.kvflash_get_logits.restype, lib.kvflash_get_logits.argtypes = ctypes.POINTER(ctypes.c_float), [V]
-        lib.kvflash_last_error.restype, lib.kvflash_last_error.argtypes = ctypes.c_char_p, [V]
+        from test_capi import declare  # the C API's signatures, as kvflash.h declares them
+        lib = declare(ctypes.CDLL({str(capi.library_path())!r}))
         EBUSY = -4
         err = ctypes.create_string_buffer(512)
         m = lib.kvflash_model_load({small!r}.encode(), 1, err, 512)
