@@ -354,6 +354,322 @@ static row_to_f32 converter(ggml_type t) {
 }
 static constexpr uint16_t kF16NegInf = 0xFC00;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KVFLASH_TILED_ATTN 1
+// ---- the tiled integer kernel (AVX-512 VNNI; q8_0 / q4_0 K and V)
+//
+// 16 visible pool rows at a time, one per zmm lane.  K is gathered once per tile into a transposed
+// tile of 4-byte groups (group t, lane a = elements 4t..4t+3 of row a, as unsigned bytes: q8_0 biased
+// by +128, q4_0's nibbles as stored), so that one dpbusd against the query's 4 bytes broadcast adds a
+// partial dot to all 16 rows at once: no horizontal sums, and the tile is shared by every query head
+// of the KV group and every query of the batch.  Per 32-element block the int32 sum loses the bias
+// (bias x the query block's sum) and takes both block scales.  The scores come out as 16 lanes, so
+// scale, mask, max and exp run on vectors.  V is never converted to an f32 row: each row's block is
+// widened in registers and added, weighted by p x its block scale, to up to 8 heads' accumulators.
+namespace {
+constexpr int kLanes = 16;
+
+struct TiledScratch {
+    std::vector<int32_t> kt;   // [D/4][16] transposed K groups
+    std::vector<float> kd, vd; // [nb][16] block scales of K and V
+    std::vector<float> pw;     // [R][nb][16] p x V block scale
+    std::vector<float> acc, m, l, corr;
+    std::vector<int8_t> qs;
+    std::vector<float> qd;
+    std::vector<int32_t> qsum;
+};
+
+inline __m512 gather_scales(const char *base, __m512i off, __mmask16 live) {
+    const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, off, base, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));   // the low 16 bits: the block's f16 scale
+}
+}  // namespace
+
+// One 32-element V block of the tile's rows added into N (head, query) rows' accumulators (acc rows
+// acc_stride floats apart), which are first scaled by their softmax corrections; pw: per row, 16 lanes
+// of p x V block scale, pstride floats apart.  N is a template parameter so the 2N accumulators stay in
+// registers.
+template <int N>
+static inline void v_block_accumulate(float *acc, size_t acc_stride, const float *pw, size_t pstride,
+                                      const float *corr, const char *const *vrow, int64_t boff, int cnt, bool v8) {
+    __m512 A0[N], A1[N];
+    for (int j = 0; j < N; ++j) {
+        const __m512 c = _mm512_set1_ps(corr[j]);
+        A0[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride), c);
+        A1[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride + 16), c);
+    }
+    const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+    for (int a = 0; a < cnt; ++a) {
+        const char *vb = vrow[a] + boff;
+        __m512 x0, x1;
+        if (v8) {
+            x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(vb))));
+            x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(vb + 16))));
+        } else {   // element j: low nibble of byte j, element j + 16: its high nibble; both minus 8
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(vb)));
+            x0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(u, low4), eight));
+            x1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), eight));
+        }
+        for (int j = 0; j < N; ++j) {
+            const __m512 w = _mm512_set1_ps(pw[j * pstride + a]);
+            A0[j] = _mm512_fmadd_ps(w, x0, A0[j]);
+            A1[j] = _mm512_fmadd_ps(w, x1, A1[j]);
+        }
+    }
+    for (int j = 0; j < N; ++j) {
+        _mm512_storeu_ps(acc + j * acc_stride, A0[j]);
+        _mm512_storeu_ps(acc + j * acc_stride + 16, A1[j]);
+    }
+}
+
+// One step of a register transpose of 32-bit groups held in N zmm registers (N = 8: 16 rows x 8 groups,
+// N = 4: 16 rows x 4 groups): it swaps bit `bit` of the register index with bit `bit` of the lane index,
+// pairing the registers that differ in that bit, two permutes per pair.  After log2(N) steps register t
+// holds group t of every row, the rows in the lane order the loads arranged for that.
+template <int N>
+static inline void transpose_stage(__m512i *Z, int bit) {
+    alignas(64) int32_t lo[16], hi[16];
+    const int m = 1 << bit;
+    for (int L = 0; L < 16; ++L) {
+        lo[L] = (L & m ? 16 : 0) + (L & ~m);
+        hi[L] = (L & m ? 16 : 0) + (L | m);
+    }
+    const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+    for (int x = 0; x < N; ++x) {
+        if (x & m) continue;
+        const __m512i a = Z[x], b = Z[x | m];
+        Z[x] = _mm512_permutex2var_epi32(a, ilo, b);
+        Z[x | m] = _mm512_permutex2var_epi32(a, ihi, b);
+    }
+}
+
+// exp_nonpos over 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
+static inline __m512 exp512_nonpos(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);   // not below -87 (NaN lanes stay live)
+    x = _mm512_max_ps(lo, x);   // a NaN x passes through
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAttnParams *P) {
+    const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
+    const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = k->ne[1];
+    const int64_t Hkv = P->n_head_kv, G = H / Hkv, S = P->n_split, R = G * n, nb = D / 32;
+    const int64_t range = (n_kv + S - 1) / S;
+    const bool k8 = k->type == GGML_TYPE_Q8_0, v8 = v->type == GGML_TYPE_Q8_0;
+    const int64_t kbs = k8 ? 34 : 18, vbs = v8 ? 34 : 18;
+    const size_t k_head = size_t(nb * kbs), v_head = size_t(nb * vbs);
+    const int32_t kbias = k8 ? 128 : 8;
+    static thread_local TiledScratch tls;
+    TiledScratch &T = tls;
+    T.kt.resize(size_t(D / 4) * kLanes);
+    T.kd.resize(size_t(nb) * kLanes);
+    T.vd.resize(size_t(nb) * kLanes);
+    T.pw.resize(size_t(R) * nb * kLanes);
+    T.acc.resize(size_t(R) * D);
+    T.m.resize(size_t(R));
+    T.l.resize(size_t(R) * kLanes);
+    T.corr.resize(size_t(R));
+    T.qs.resize(size_t(R) * D);
+    T.qd.resize(size_t(R) * nb);
+    T.qsum.resize(size_t(R) * nb);
+    // raw pointers: the thread_local itself is looked up through a call in a shared library
+    int32_t *kt_ = T.kt.data(), *qsum_ = T.qsum.data();
+    float *kd_ = T.kd.data(), *vd_ = T.vd.data(), *pw_ = T.pw.data(), *acc_ = T.acc.data(), *m_ = T.m.data(),
+          *l_ = T.l.data(), *corr_ = T.corr.data(), *qd_ = T.qd.data();
+    int8_t *qs_ = T.qs.data();
+    constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    auto mask_row = [&](int64_t i) {
+        return reinterpret_cast<const uint16_t *>(static_cast<const char *>(mask->data) + i * mask->nb[1]);
+    };
+
+    // Each thread takes a contiguous run of (range, KV head) items, heads inner: the heads of one range
+    // share the pool rows' cache lines, so they are read from memory once.
+    const int64_t n_items = Hkv * S, it0 = n_items * ith / nth, it1 = n_items * (ith + 1) / nth;
+    for (int64_t item = it0; item < it1; ++item) {
+        const int64_t g = item % Hkv, sp = item / Hkv;
+        const int64_t s0 = sp * range, s1 = std::min(n_kv, s0 + range);
+        std::fill(acc_, acc_ + R * D, 0.f);
+        std::fill(m_, m_ + R, NEG_INF);
+        std::fill(l_, l_ + R * kLanes, 0.f);
+        for (int64_t hh = 0; hh < G; ++hh)
+            for (int64_t i = 0; i < n; ++i) {
+                const size_t r = size_t(hh) * n + i;
+                const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) +
+                                                                  (g * G + hh) * q->nb[1] + i * q->nb[2]);
+                quantize_query(qv, D, &qs_[r * D], &qd_[r * nb], &qsum_[r * nb]);
+            }
+        const char *kbase = static_cast<const char *>(k->data) + g * k_head;
+        const char *vbase = static_cast<const char *>(v->data) + g * v_head;
+        // Visible slots come from 32-slot windows of the mask (any query's), taken 16 at a time.
+        int64_t win = s0, base = s0;
+        uint32_t pend = 0;
+        for (;;) {
+            int32_t slot[kLanes];
+            int cnt = 0;
+            while (cnt < kLanes) {
+                if (pend == 0) {
+                    if (win >= s1) break;
+                    const int64_t w = std::min<int64_t>(32, s1 - win);
+                    const __mmask32 inwin = w == 32 ? ~__mmask32(0) : __mmask32((1u << w) - 1u);
+                    __mmask32 vis = 0;
+                    for (int64_t i = 0; i < n; ++i)
+                        vis |= _mm512_mask_cmpneq_epi16_mask(inwin, _mm512_maskz_loadu_epi16(inwin, mask_row(i) + win),
+                                                             _mm512_set1_epi16(short(kF16NegInf)));
+                    pend = uint32_t(vis);
+                    base = win;
+                    win += w;
+                    continue;
+                }
+                slot[cnt++] = int32_t(base + __builtin_ctz(pend));
+                pend &= pend - 1;
+            }
+            if (cnt == 0) break;
+#if defined(__GNUC__)
+            // Rows two tiles ahead, asked for now: the first touch of a tile's rows otherwise stalls.
+            for (int64_t j = int64_t(slot[cnt - 1]) + 1 + kLanes, je = std::min(s1, j + kLanes); j < je; ++j) {
+                const char *kr = kbase + j * k->nb[1], *vr = vbase + j * v->nb[1];
+                for (size_t o = 0; o < k_head; o += 64) __builtin_prefetch(kr + o);
+                __builtin_prefetch(kr + k_head - 1);
+                for (size_t o = 0; o < v_head; o += 64) __builtin_prefetch(vr + o);
+                __builtin_prefetch(vr + v_head - 1);
+            }
+#endif
+            const __mmask16 live = __mmask16((1u << cnt) - 1u);
+            for (int a = cnt; a < kLanes; ++a) slot[a] = slot[0];
+            const __m512i sl = _mm512_loadu_si512(slot);
+            const __m512i koff = _mm512_mullo_epi32(sl, _mm512_set1_epi32(int32_t(k->nb[1])));
+            const __m512i voff = _mm512_mullo_epi32(sl, _mm512_set1_epi32(int32_t(v->nb[1])));
+            const char *krow[kLanes];
+            for (int a = 0; a < kLanes; ++a) krow[a] = kbase + int64_t(slot[a]) * k->nb[1];
+            // K: the transposed tile and the block scales; V: the block scales.
+            for (int64_t b = 0; b < nb; ++b) {
+                const char *kb = kbase + b * kbs;
+                _mm512_storeu_ps(&kd_[size_t(b) * kLanes], gather_scales(kb, koff, live));
+                _mm512_storeu_ps(&vd_[size_t(b) * kLanes], gather_scales(vbase + b * vbs, voff, live));
+                int32_t *kt = &kt_[size_t(b) * 8 * kLanes];
+                const int64_t off = b * kbs + 2;
+                if (k8) {   // 16 rows x 8 groups: Z[p] = rows p and p + 8, then Z[t] = group t of rows 0..15
+                    __m512i Z[8];
+                    for (int p = 0; p < 8; ++p)
+                        Z[p] = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(krow[p] + off))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(krow[p + 8] + off)), 1);
+                    transpose_stage<8>(Z, 2);
+                    transpose_stage<8>(Z, 1);
+                    transpose_stage<8>(Z, 0);
+                    for (int t = 0; t < 8; ++t)
+                        _mm512_storeu_si512(kt + t * kLanes, _mm512_xor_si512(Z[t], _mm512_set1_epi8(char(0x80))));
+                } else {    // 16 rows x 4 groups: Z[p] = rows p, p + 4, p + 8, p + 12; nibbles split after
+                    __m512i Z[4];
+                    for (int p = 0; p < 4; ++p) {
+                        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i *>(krow[p] + off)));
+                        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i *>(krow[p + 4] + off)), 1);
+                        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i *>(krow[p + 8] + off)), 2);
+                        Z[p] = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i *>(krow[p + 12] + off)), 3);
+                    }
+                    transpose_stage<4>(Z, 1);
+                    transpose_stage<4>(Z, 0);
+                    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+                    for (int t = 0; t < 4; ++t) {
+                        _mm512_storeu_si512(kt + t * kLanes, _mm512_and_si512(Z[t], lo4));
+                        _mm512_storeu_si512(kt + (t + 4) * kLanes, _mm512_and_si512(_mm512_srli_epi16(Z[t], 4), lo4));
+                    }
+                }
+            }
+            // Scores of the tile for every (head, query) row; p x V scale for the accumulation.
+            for (int64_t i = 0; i < n; ++i) {
+                const uint16_t *mr = mask_row(i);
+                __mmask16 seen = 0;
+                for (int a = 0; a < cnt; ++a) seen |= __mmask16((mr[slot[a]] != kF16NegInf) << a);
+                for (int64_t hh = 0; hh < G; ++hh) {
+                    const size_t r = size_t(hh) * n + i;
+                    const int32_t *q4 = reinterpret_cast<const int32_t *>(&qs_[r * D]);
+                    __m512 sc = _mm512_setzero_ps();
+                    for (int64_t b = 0; b < nb; ++b) {
+                        const int32_t *kt = &kt_[size_t(b) * 8 * kLanes];
+                        __m512i d0 = _mm512_setzero_si512(), d1 = d0;
+                        for (int t = 0; t < 8; t += 2) {
+                            d0 = _mm512_dpbusd_epi32(d0, _mm512_loadu_si512(kt + t * kLanes), _mm512_set1_epi32(q4[b * 8 + t]));
+                            d1 = _mm512_dpbusd_epi32(d1, _mm512_loadu_si512(kt + (t + 1) * kLanes), _mm512_set1_epi32(q4[b * 8 + t + 1]));
+                        }
+                        const __m512i dq = _mm512_sub_epi32(_mm512_add_epi32(d0, d1),
+                                                            _mm512_set1_epi32(kbias * qsum_[r * nb + b]));
+                        const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(&kd_[size_t(b) * kLanes]), _mm512_set1_ps(qd_[r * nb + b]));
+                        sc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dq), w, sc);
+                    }
+                    sc = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), seen, sc, _mm512_set1_ps(P->scale));
+                    // The running max moves only when some lane passes it (NaN lanes never do, and the
+                    // reduction ignores them, as the f32 path does); most tiles skip the reduction and the exp.
+                    float *pw = &pw_[r * nb * kLanes];
+                    float mnew = m_[r], corr = 1.f;
+                    if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(mnew), _CMP_GT_OQ)) {
+                        mnew = _mm512_reduce_max_ps(_mm512_max_ps(sc, _mm512_set1_ps(NEG_INF)));
+                        corr = std::exp(m_[r] - mnew);   // exp(-inf) = 0 on the first tile
+                    }
+                    if (mnew == NEG_INF) {   // nothing visible to this row yet
+                        std::fill(pw, pw + nb * kLanes, 0.f);
+                        corr_[r] = 1.f;
+                        continue;
+                    }
+                    const __m512 p = exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(mnew)));
+                    float *lv = &l_[r * kLanes];   // per-lane sums, added up once per range
+                    _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(corr), p));
+                    m_[r] = mnew;
+                    corr_[r] = corr;
+                    for (int64_t b = 0; b < nb; ++b)
+                        _mm512_storeu_ps(pw + b * kLanes, _mm512_mul_ps(p, _mm512_loadu_ps(&vd_[size_t(b) * kLanes])));
+                }
+            }
+            // V: per block, up to 8 rows' accumulators in registers while the tile's rows are added.
+            const char *vrow[kLanes];
+            for (int a = 0; a < cnt; ++a) vrow[a] = vbase + int64_t(slot[a]) * v->nb[1] + 2;
+            for (int64_t b = 0; b < nb; ++b)
+                for (int64_t r0 = 0; r0 < R; r0 += 8) {
+                    const int64_t rn = std::min<int64_t>(8, R - r0);
+                    float *acc = &acc_[size_t(r0) * D + b * 32];
+                    const float *pw = &pw_[(size_t(r0) * nb + b) * kLanes];
+                    const float *corr = &corr_[size_t(r0)];
+                    const size_t pstride = size_t(nb) * kLanes;
+                    switch (rn) {
+#define KVF_V_CASE(N) case N: v_block_accumulate<N>(acc, size_t(D), pw, pstride, corr, vrow, b * vbs, cnt, v8); break;
+                        KVF_V_CASE(1) KVF_V_CASE(2) KVF_V_CASE(3) KVF_V_CASE(4)
+                        KVF_V_CASE(5) KVF_V_CASE(6) KVF_V_CASE(7) KVF_V_CASE(8)
+#undef KVF_V_CASE
+                    }
+                }
+        }
+        for (int64_t hh = 0; hh < G; ++hh)
+            for (int64_t i = 0; i < n; ++i) {
+                const size_t r = size_t(hh) * n + i;
+                float *out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (g * G + hh) * dst->nb[1] +
+                                                       i * dst->nb[2] + sp * dst->nb[3]);
+                out[0] = m_[r];
+                out[1] = _mm512_reduce_add_ps(_mm512_loadu_ps(&l_[r * kLanes]));
+                std::memcpy(out + 2, &acc_[r * D], sizeof(float) * D);
+            }
+    }
+}
+
+static bool tiled_applies(const PoolAttnParams *P, const ggml_tensor *k, const ggml_tensor *v, int64_t D) {
+    auto quant = [](ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0; };
+    const double span = double(k->ne[1]) * double(std::max(k->nb[1], v->nb[1]));   // 32-bit gather offsets
+    return P->quant_dots && quant(k->type) && quant(v->type) && D % 32 == 0 && span < 2147483647.0;
+}
+#endif
+
 // partials: [D + 2, H, n, S]: per range the running max m, the sum l, and acc[D].
 // One kernel body on purpose: the row loop, the online softmax and the dequantize-and-accumulate
 // share registers and early exits that a split into helpers would hide from the compiler.
@@ -361,6 +677,9 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const auto *P = static_cast<const PoolAttnParams *>(ud);
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
     const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = k->ne[1];
+#if defined(KVFLASH_TILED_ATTN)
+    if (tiled_applies(P, k, v, D)) return attn_partial_tiled(dst, ith, nth, P);
+#endif
     const int64_t Hkv = P->n_head_kv, G = H / Hkv, S = P->n_split;
     const int64_t range = (n_kv + S - 1) / S;
     const row_to_f32 tk = converter(k->type), tv = converter(v->type);
