@@ -31,7 +31,7 @@ sys.stdout = sys.stderr          # keep the protocol line-clean
 sess = {}
 for D in cfg["contexts"]:
     s = kvflash.Session(cfg["model"], max_ctx=D + cfg["margin"], kvflash=cfg["pool"], policy=cfg["policy"],
-                        threads=cfg["threads"], allow_long_ctx=True, verbose=False)
+                        threads=cfg["threads"], allow_long_ctx=True, verbose=False, kv_type=cfg["kv_type"])
     toks = text_tokens(s, D)
     for i in range(0, D, 512):
         s.prefill(toks[i:i + 512])
@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-type", default="q8_0", help="the sessions' KV type (f16, q8_0, q4_0)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     builds = []
@@ -71,6 +72,7 @@ def main() -> int:
         ap.error("--rounds must be at least 5 (medians over >= 5 repeats)")
     ctxs = [int(x) for x in a.contexts.split(",")]
     cfg = {"model": a.model, "contexts": ctxs, "pool": a.pool, "policy": a.policy, "threads": a.threads,
+           "kv_type": a.kv_type,
            "margin": a.rounds * a.steps + 64}
     workers = {}
     for name, py in builds:   # one prefills at a time: each waits for the previous to be ready
@@ -97,7 +99,7 @@ def main() -> int:
         w.stdin.close()
         w.wait()
     ref = names[0]
-    print(f"decode tok/s, {a.model}, pool {a.pool}, policy {a.policy}, {a.threads} threads, {a.steps} steps per "
+    print(f"decode tok/s, {a.model}, {a.kv_type} KV, pool {a.pool}, policy {a.policy}, {a.threads} threads, {a.steps} steps per "
           f"round, {a.rounds} rounds interleaved (order rotated); ratio per round to {ref!r}\n")
     print("| context | build | tok/s median | min-max | ratio to first (median) | per-round ratio min-max |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -379,9 +379,12 @@ struct TiledScratch {
     std::vector<int32_t> qsum;
 };
 
-inline __m512 gather_scales(const char *base, __m512i off, __mmask16 live) {
-    const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, off, base, 1);
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));   // the low 16 bits: the block's f16 scale
+// The f16 scales of one block of 16 rows (at byte off of each row), as floats.  Plain loads: a
+// 16-lane gather costs more here than the 16 loads it stands for.
+inline __m512 row_scales(const char *const *rows, int64_t off) {
+    alignas(32) uint16_t h[16];
+    for (int a = 0; a < 16; ++a) std::memcpy(&h[a], rows[a] + off, 2);
+    return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i *>(h)));
 }
 }  // namespace
 
@@ -462,6 +465,47 @@ static inline __m512 exp512_nonpos(__m512 x) {
     return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+// The tiled kernel's query: per 32-element block, x = d (hi + lo / 128) with d = max|x| / 127,
+// hi = round(x / d) as quantize_query gives, and lo = round(128 (x / d - hi)) in [-64, 64], the
+// residual to 1/128 of a step.  One int8 step alone (ggml's q8_0 activation rounding) moved real
+// attention outputs by 1-2% per layer (SmolLM2, measured against f32 rows), enough to change greedy
+// text; the residual makes the query ~15-bit for one more dpbusd per 4 elements.  hi and lo are
+// stored as two D-byte rows; qd = d / 128 and qsum = 128 sum(hi) + sum(lo) per block.  Bounds per
+// block: |dot(k + 128, hi)| <= 32 x 255 x 127 (x 128 < 2^27) and |128 x 128 x qsum| < 2^27.
+static void quantize_query_fine(const float *x, int64_t D, int8_t *qs, float *qd, int32_t *qsum) {
+    int8_t *hi = qs, *lo = qs + D;
+    for (int64_t b = 0; b < D / 32; ++b) {
+        const float *xb = x + b * 32;
+        float amax = 0.f;
+        bool finite = true;
+        for (int j = 0; j < 32; ++j) {
+            const float ax = std::fabs(xb[j]);
+            finite = finite && ax <= std::numeric_limits<float>::max();
+            amax = std::max(amax, ax);
+        }
+        if (!finite) {
+            std::fill(hi + b * 32, hi + b * 32 + 32, int8_t(0));
+            std::fill(lo + b * 32, lo + b * 32 + 32, int8_t(0));
+            qd[b] = std::numeric_limits<float>::quiet_NaN();
+            qsum[b] = 0;
+            continue;
+        }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sh = 0, sl = 0;
+        for (int j = 0; j < 32; ++j) {
+            const float y = xb[j] * id;
+            const float h = std::nearbyint(y);
+            const int l = int(std::nearbyint((y - h) * 128.f));
+            hi[b * 32 + j] = int8_t(h);
+            lo[b * 32 + j] = int8_t(std::max(-127, std::min(127, l)));
+            sh += int(h);
+            sl += lo[b * 32 + j];
+        }
+        qd[b] = d * (1.f / 128.f);
+        qsum[b] = 128 * sh + sl;
+    }
+}
+
 static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAttnParams *P) {
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
     const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = k->ne[1];
@@ -481,7 +525,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
     T.m.resize(size_t(R));
     T.l.resize(size_t(R) * kLanes);
     T.corr.resize(size_t(R));
-    T.qs.resize(size_t(R) * D);
+    T.qs.resize(size_t(R) * 2 * D);
     T.qd.resize(size_t(R) * nb);
     T.qsum.resize(size_t(R) * nb);
     // raw pointers: the thread_local itself is looked up through a call in a shared library
@@ -509,7 +553,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 const size_t r = size_t(hh) * n + i;
                 const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) +
                                                                   (g * G + hh) * q->nb[1] + i * q->nb[2]);
-                quantize_query(qv, D, &qs_[r * D], &qd_[r * nb], &qsum_[r * nb]);
+                quantize_query_fine(qv, D, &qs_[r * 2 * D], &qd_[r * nb], &qsum_[r * nb]);
             }
         const char *kbase = static_cast<const char *>(k->data) + g * k_head;
         const char *vbase = static_cast<const char *>(v->data) + g * v_head;
@@ -537,28 +581,17 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 pend &= pend - 1;
             }
             if (cnt == 0) break;
-#if defined(__GNUC__)
-            // Rows two tiles ahead, asked for now: the first touch of a tile's rows otherwise stalls.
-            for (int64_t j = int64_t(slot[cnt - 1]) + 1 + kLanes, je = std::min(s1, j + kLanes); j < je; ++j) {
-                const char *kr = kbase + j * k->nb[1], *vr = vbase + j * v->nb[1];
-                for (size_t o = 0; o < k_head; o += 64) __builtin_prefetch(kr + o);
-                __builtin_prefetch(kr + k_head - 1);
-                for (size_t o = 0; o < v_head; o += 64) __builtin_prefetch(vr + o);
-                __builtin_prefetch(vr + v_head - 1);
-            }
-#endif
-            const __mmask16 live = __mmask16((1u << cnt) - 1u);
             for (int a = cnt; a < kLanes; ++a) slot[a] = slot[0];
-            const __m512i sl = _mm512_loadu_si512(slot);
-            const __m512i koff = _mm512_mullo_epi32(sl, _mm512_set1_epi32(int32_t(k->nb[1])));
-            const __m512i voff = _mm512_mullo_epi32(sl, _mm512_set1_epi32(int32_t(v->nb[1])));
             const char *krow[kLanes];
-            for (int a = 0; a < kLanes; ++a) krow[a] = kbase + int64_t(slot[a]) * k->nb[1];
+            const char *vrow0[kLanes];
+            for (int a = 0; a < kLanes; ++a) {
+                krow[a] = kbase + int64_t(slot[a]) * k->nb[1];
+                vrow0[a] = vbase + int64_t(slot[a]) * v->nb[1];
+            }
             // K: the transposed tile and the block scales; V: the block scales.
             for (int64_t b = 0; b < nb; ++b) {
-                const char *kb = kbase + b * kbs;
-                _mm512_storeu_ps(&kd_[size_t(b) * kLanes], gather_scales(kb, koff, live));
-                _mm512_storeu_ps(&vd_[size_t(b) * kLanes], gather_scales(vbase + b * vbs, voff, live));
+                _mm512_storeu_ps(&kd_[size_t(b) * kLanes], row_scales(krow, b * kbs));
+                _mm512_storeu_ps(&vd_[size_t(b) * kLanes], row_scales(vrow0, b * vbs));
                 int32_t *kt = &kt_[size_t(b) * 8 * kLanes];
                 const int64_t off = b * kbs + 2;
                 if (k8) {   // 16 rows x 8 groups: Z[p] = rows p and p + 8, then Z[t] = group t of rows 0..15
@@ -596,16 +629,19 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 for (int a = 0; a < cnt; ++a) seen |= __mmask16((mr[slot[a]] != kF16NegInf) << a);
                 for (int64_t hh = 0; hh < G; ++hh) {
                     const size_t r = size_t(hh) * n + i;
-                    const int32_t *q4 = reinterpret_cast<const int32_t *>(&qs_[r * D]);
+                    const int32_t *q4 = reinterpret_cast<const int32_t *>(&qs_[r * 2 * D]);   // hi bytes
+                    const int32_t *q4l = q4 + D / 4;                                          // lo bytes
                     __m512 sc = _mm512_setzero_ps();
                     for (int64_t b = 0; b < nb; ++b) {
                         const int32_t *kt = &kt_[size_t(b) * 8 * kLanes];
                         __m512i d0 = _mm512_setzero_si512(), d1 = d0;
-                        for (int t = 0; t < 8; t += 2) {
-                            d0 = _mm512_dpbusd_epi32(d0, _mm512_loadu_si512(kt + t * kLanes), _mm512_set1_epi32(q4[b * 8 + t]));
-                            d1 = _mm512_dpbusd_epi32(d1, _mm512_loadu_si512(kt + (t + 1) * kLanes), _mm512_set1_epi32(q4[b * 8 + t + 1]));
+                        for (int t = 0; t < 8; ++t) {
+                            const __m512i kv = _mm512_loadu_si512(kt + t * kLanes);
+                            d0 = _mm512_dpbusd_epi32(d0, kv, _mm512_set1_epi32(q4[b * 8 + t]));
+                            d1 = _mm512_dpbusd_epi32(d1, kv, _mm512_set1_epi32(q4l[b * 8 + t]));
                         }
-                        const __m512i dq = _mm512_sub_epi32(_mm512_add_epi32(d0, d1),
+                        // 128 x hi + lo: the query to 1/128 of its int8 step (|.| < 2^31: see quantize_query_fine)
+                        const __m512i dq = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(d0, 7), d1),
                                                             _mm512_set1_epi32(kbias * qsum_[r * nb + b]));
                         const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(&kd_[size_t(b) * kLanes]), _mm512_set1_ps(qd_[r * nb + b]));
                         sc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dq), w, sc);
@@ -634,17 +670,16 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 }
             }
             // V: per block, up to 8 rows' accumulators in registers while the tile's rows are added.
-            const char *vrow[kLanes];
-            for (int a = 0; a < cnt; ++a) vrow[a] = vbase + int64_t(slot[a]) * v->nb[1] + 2;
+            const char *const *vrow = vrow0;
             for (int64_t b = 0; b < nb; ++b)
                 for (int64_t r0 = 0; r0 < R; r0 += 8) {
                     const int64_t rn = std::min<int64_t>(8, R - r0);
                     float *acc = &acc_[size_t(r0) * D + b * 32];
                     const float *pw = &pw_[(size_t(r0) * nb + b) * kLanes];
                     const float *corr = &corr_[size_t(r0)];
-                    const size_t pstride = size_t(nb) * kLanes;
+                    const size_t pstride = size_t(nb) * kLanes;   // (vrow + 2: past the block scale)
                     switch (rn) {
-#define KVF_V_CASE(N) case N: v_block_accumulate<N>(acc, size_t(D), pw, pstride, corr, vrow, b * vbs, cnt, v8); break;
+#define KVF_V_CASE(N) case N: v_block_accumulate<N>(acc, size_t(D), pw, pstride, corr, vrow, b * vbs + 2, cnt, v8); break;
                         KVF_V_CASE(1) KVF_V_CASE(2) KVF_V_CASE(3) KVF_V_CASE(4)
                         KVF_V_CASE(5) KVF_V_CASE(6) KVF_V_CASE(7) KVF_V_CASE(8)
 #undef KVF_V_CASE
@@ -665,8 +700,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
 
 static bool tiled_applies(const PoolAttnParams *P, const ggml_tensor *k, const ggml_tensor *v, int64_t D) {
     auto quant = [](ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0; };
-    const double span = double(k->ne[1]) * double(std::max(k->nb[1], v->nb[1]));   // 32-bit gather offsets
-    return P->quant_dots && quant(k->type) && quant(v->type) && D % 32 == 0 && span < 2147483647.0;
+    return P->quant_dots && quant(k->type) && quant(v->type) && D % 32 == 0;
 }
 #endif
 
@@ -815,6 +849,14 @@ static void attn_reduce(ggml_tensor *dst, int ith, int nth, void *) {
         const float inv = L > 0.f ? 1.f / L : 0.f;
         for (int64_t e = 0; e < D; ++e) out[e] *= inv;
     }
+}
+
+bool pool_attention_tiled_available() {
+#if defined(KVFLASH_TILED_ATTN)
+    return true;
+#else
+    return false;
+#endif
 }
 
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, ggml_tensor *mask,

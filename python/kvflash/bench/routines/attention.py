@@ -16,8 +16,8 @@ def run_attention(cfg: BenchConfig) -> Result:
     random K/V rows, every slot visible), timed per iteration beside a one-thread read pass over the same
     K/V bytes and a memcpy of them, all three interleaved in one loop.  Bandwidth = K/V bytes / seconds;
     the ratio to the read pass is per iteration.  For q8_0 / q4_0 K both kernels run: the f32 path
-    (dequantized rows: the runtime's) and the integer dots against a quantized query (quant_dots), so
-    their ratio is taken in one run."""
+    (dequantized rows: the runtime's) and the integer dots against a quantized query (quant_dots: the
+    tiled AVX-512 VNNI kernel where the build has it), so their ratio is taken in one run."""
     import kvflash
     from kvflash import _core
     from kvflash.models import resolve_model
@@ -26,6 +26,7 @@ def run_attention(cfg: BenchConfig) -> Result:
     n_layers = len(m.global_layers)
     D, H, Hkv = int(hp["head_dim"]), int(hp["n_head"]), int(hp["n_head_kv"])
     kv_types = cfg.attn_kv_types
+    tiled = bool(_core.pool_attention_tiled_available())
     threads = cfg.attn_threads
     res = Result("attention", f"pool attention op alone: one decode query over {n_layers} layers' pools "
                  f"(head_dim {D}, {H} heads, {Hkv} KV heads; median ± spread of {cfg.repeats} interleaved iterations)",
@@ -44,7 +45,11 @@ def run_attention(cfg: BenchConfig) -> Result:
             kv = r["kv_bytes"]
             ratios = [(kv / a) / (kv / b) for a, b in zip(r["attn_s"], r["read_s"])]
             a = summarize(x * 1e3 for x in r["attn_s"])
-            kernel = "int8 dots (quantized query)" if quant else "f32 (dequantized rows; the runtime's)"
+            if quant:
+                kernel = ("int8 tiled, AVX-512 VNNI (quantized query)" if tiled
+                          else "int8 dots, row at a time (quantized query)")
+            else:
+                kernel = "f32 (dequantized rows; the runtime's)"
             row = {"model": model_label(cfg.model), "kv_type": t, "pool": p, "threads": th, "kernel": kernel,
                    "n_split": r["n_split"], "attn_ms": a, "us_layer": a["median"] * 1e3 / n_layers,
                    "attn_gib_s": summarize(kv / x / GIB for x in r["attn_s"]),
