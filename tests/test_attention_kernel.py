@@ -2,8 +2,7 @@
 
 For q8_0 / q4_0 K the integer kernel (quant_dots=True, not the runtime's default: the tiled AVX-512
 VNNI kernel where the build has it) quantizes the query per 32-element block (scale max|x| / 127, round to
-nearest even, as ggml quantizes activations for its q8_0 matmuls; the tiled kernel adds the residual
-to 1/128 of that step) and takes integer dot products: against a float64 emulation of exactly that it must agree to float rounding, and against the
+nearest even, as ggml quantizes activations for its q8_0 matmuls) and takes integer dot products: against a float64 emulation of exactly that it must agree to float rounding, and against the
 unquantized f32 attention no further than the query's rounding itself moves it.  The f32 path (quant_dots=False) must
 agree with the f32 reference to float rounding.  Masked slots contribute nothing in either."""
 from __future__ import annotations
@@ -41,22 +40,6 @@ def _quantize_query(x: np.ndarray) -> np.ndarray:
         idn = np.where(d > 0, (1.0 / d.astype(np.float32)).astype(np.float64), 0.0)
     q = np.rint((b * idn).astype(np.float32))
     return (q * d).reshape(x.shape)
-
-
-def _quantize_query_fine(x: np.ndarray) -> np.ndarray:
-    """x as the tiled kernel quantizes it (int8 step plus a residual to 1/128 of it), dequantized."""
-    b = x.astype(np.float64).reshape(*x.shape[:-1], -1, 32)
-    d = (np.abs(b).max(-1, keepdims=True) / 127.0).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        idn = np.where(d > 0, (np.float32(1.0) / d), np.float32(0.0)).astype(np.float32)
-    y = (b.astype(np.float32) * idn).astype(np.float32)
-    h = np.rint(y)
-    lo = np.clip(np.rint((y - h) * np.float32(128.0)), -127, 127)
-    return ((h * 128 + lo).astype(np.float64) * (d.astype(np.float64) / 128.0)).reshape(x.shape)
-
-
-# the integer path's query rounding: the tiled AVX-512 VNNI kernel's where the build has it
-_emulated_query = _quantize_query_fine if _core.pool_attention_tiled_available() else _quantize_query
 
 
 def _reference(q, K, V, visible, Hkv, scale):
@@ -97,7 +80,7 @@ def test_pool_attention_matches_numpy(kind, n, H, Hkv, D, n_kv, n_split):
     if kind == "f16":   # the integer path is for quantized K only
         np.testing.assert_array_equal(got, f32)
         return
-    emu = _reference(_emulated_query(q), K, V, visible, Hkv, scale)
+    emu = _reference(_quantize_query(q), K, V, visible, Hkv, scale)
     assert np.abs(got - emu).max() <= tol, np.abs(got - emu).max()
     # against the unquantized query: no further than the query's rounding itself moves the exact result
     # (the emulation's distance), and the integer path is really taken (it differs from the f32 one)

@@ -20,8 +20,14 @@ def model_path():
 
 @pytest.mark.parametrize("pool", [None, 512])
 def test_capital_of_france(model_path, pool):
+    # "Answer in one word.": the bare question sits on a knife edge for this 135M model with q8_0 KV.
+    # Its greedy reply flips between "The capital of France is Paris." and "L'Etoile, la ..." with the
+    # rounding order of the attention sums (ggml_flash_attn_ext, the f32-row kernel and the tiled kernel
+    # each land on a different side, measured 2026-12-01), because each new K/V row is quantized and a
+    # 1e-7 difference can flip a rounding step.  The one-word prompt answered Paris under all three.
     s = kvflash.Session(model_path, max_ctx=4096, kvflash=pool, policy="lru", threads=1, verbose=False)
-    reply = "".join(s.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=24))
+    reply = "".join(s.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                           max_tokens=24))
     assert "Paris" in reply, reply
     st = s.stats
     assert st["mode"] == ("full" if pool is None else "kvflash")

@@ -106,8 +106,8 @@ PYBIND11_MODULE(_core, m) {
     }, py::arg("kv_type"), "(bytes per block, elements per block) of a KV type, from ggml's type traits.");
 
     m.def("pool_attention_tiled_available", &kvflash::pool_attention_tiled_available,
-          "whether this build has the tiled integer pool-attention kernel (AVX-512 VNNI), taken with "
-          "quant_dots=True for q8_0 / q4_0 K and V (not the runtime's default)");
+          "whether this build has the tiled pool-attention kernel for q8_0 / q4_0 K and V (AVX-512 VNNI): the "
+          "runtime's for those pools, f32 dots; quant_dots=True takes its integer dots instead");
     m.def("pool_attention", [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array k, py::array v,
                                py::array_t<uint8_t, py::array::c_style | py::array::forcecast> visible,
                                const std::string &kv_type, int32_t n_head_kv, float scale, int32_t n_split,

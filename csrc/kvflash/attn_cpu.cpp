@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -370,7 +371,8 @@ namespace {
 constexpr int kLanes = 16;
 
 struct TiledScratch {
-    std::vector<int32_t> kt;   // [D/4][16] transposed K groups
+    std::vector<int32_t> kt;   // [D/4][16] transposed K groups (integer dots)
+    std::vector<float> kf;     // [D][16] the same keys widened to f32 (f32 dots)
     std::vector<float> kd, vd; // [nb][16] block scales of K and V
     std::vector<float> pw;     // [R][nb][16] p x V block scale
     std::vector<float> acc, m, l, corr;
@@ -465,45 +467,13 @@ static inline __m512 exp512_nonpos(__m512 x) {
     return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-// The tiled kernel's query: per 32-element block, x = d (hi + lo / 128) with d = max|x| / 127,
-// hi = round(x / d) as quantize_query gives, and lo = round(128 (x / d - hi)) in [-64, 64], the
-// residual to 1/128 of a step.  One int8 step alone (ggml's q8_0 activation rounding) moved real
-// attention outputs by 1-2% per layer (SmolLM2, measured against f32 rows), enough to change greedy
-// text; the residual makes the query ~15-bit for one more dpbusd per 4 elements.  hi and lo are
-// stored as two D-byte rows; qd = d / 128 and qsum = 128 sum(hi) + sum(lo) per block.  Bounds per
-// block: |dot(k + 128, hi)| <= 32 x 255 x 127 (x 128 < 2^27) and |128 x 128 x qsum| < 2^27.
-static void quantize_query_fine(const float *x, int64_t D, int8_t *qs, float *qd, int32_t *qsum) {
-    int8_t *hi = qs, *lo = qs + D;
-    for (int64_t b = 0; b < D / 32; ++b) {
-        const float *xb = x + b * 32;
-        float amax = 0.f;
-        bool finite = true;
-        for (int j = 0; j < 32; ++j) {
-            const float ax = std::fabs(xb[j]);
-            finite = finite && ax <= std::numeric_limits<float>::max();
-            amax = std::max(amax, ax);
-        }
-        if (!finite) {
-            std::fill(hi + b * 32, hi + b * 32 + 32, int8_t(0));
-            std::fill(lo + b * 32, lo + b * 32 + 32, int8_t(0));
-            qd[b] = std::numeric_limits<float>::quiet_NaN();
-            qsum[b] = 0;
-            continue;
-        }
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int32_t sh = 0, sl = 0;
-        for (int j = 0; j < 32; ++j) {
-            const float y = xb[j] * id;
-            const float h = std::nearbyint(y);
-            const int l = int(std::nearbyint((y - h) * 128.f));
-            hi[b * 32 + j] = int8_t(h);
-            lo[b * 32 + j] = int8_t(std::max(-127, std::min(127, l)));
-            sh += int(h);
-            sl += lo[b * 32 + j];
-        }
-        qd[b] = d * (1.f / 128.f);
-        qsum[b] = 128 * sh + sl;
-    }
+// One transposed group of signed bytes (lane a: elements 4t..4t+3 of row a) as four 16-lane f32
+// vectors, element j of every row at out + j * 16.
+static inline void widen_group(__m512i z, float *out) {
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(z, 24), 24)));
+    _mm512_storeu_ps(out + 16, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(z, 16), 24)));
+    _mm512_storeu_ps(out + 32, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(z, 8), 24)));
+    _mm512_storeu_ps(out + 48, _mm512_cvtepi32_ps(_mm512_srai_epi32(z, 24)));
 }
 
 static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAttnParams *P) {
@@ -515,9 +485,11 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
     const int64_t kbs = k8 ? 34 : 18, vbs = v8 ? 34 : 18;
     const size_t k_head = size_t(nb * kbs), v_head = size_t(nb * vbs);
     const int32_t kbias = k8 ? 128 : 8;
+    const bool int_dots = P->quant_dots;   // else f32 dots of the unrounded query with the widened keys
     static thread_local TiledScratch tls;
     TiledScratch &T = tls;
     T.kt.resize(size_t(D / 4) * kLanes);
+    T.kf.resize(size_t(D) * kLanes);
     T.kd.resize(size_t(nb) * kLanes);
     T.vd.resize(size_t(nb) * kLanes);
     T.pw.resize(size_t(R) * nb * kLanes);
@@ -525,15 +497,40 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
     T.m.resize(size_t(R));
     T.l.resize(size_t(R) * kLanes);
     T.corr.resize(size_t(R));
-    T.qs.resize(size_t(R) * 2 * D);
+    T.qs.resize(size_t(R) * D);
     T.qd.resize(size_t(R) * nb);
     T.qsum.resize(size_t(R) * nb);
     // raw pointers: the thread_local itself is looked up through a call in a shared library
     int32_t *kt_ = T.kt.data(), *qsum_ = T.qsum.data();
+    float *kf_ = T.kf.data();
     float *kd_ = T.kd.data(), *vd_ = T.vd.data(), *pw_ = T.pw.data(), *acc_ = T.acc.data(), *m_ = T.m.data(),
           *l_ = T.l.data(), *corr_ = T.corr.data(), *qd_ = T.qd.data();
     int8_t *qs_ = T.qs.data();
     constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+    // One (head, query) row's 16 scaled, masked scores of a tile -> its running max, correction,
+    // per-lane sums and p x V block scale.  The running max moves only when some lane passes it (NaN
+    // lanes never do, and the reduction ignores them, as the f32 path does); most tiles skip the
+    // reduction and the scalar exp.
+    auto scores_to_weights = [&](size_t r, __m512 sc) {
+        float *pw = &pw_[r * nb * kLanes];
+        float mnew = m_[r], corr = 1.f;
+        if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(mnew), _CMP_GT_OQ)) {
+            mnew = _mm512_reduce_max_ps(_mm512_max_ps(sc, _mm512_set1_ps(NEG_INF)));
+            corr = std::exp(m_[r] - mnew);   // exp(-inf) = 0 on the first tile
+        }
+        if (mnew == NEG_INF) {   // nothing visible to this row yet
+            std::fill(pw, pw + nb * kLanes, 0.f);
+            corr_[r] = 1.f;
+            return;
+        }
+        const __m512 p = exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(mnew)));
+        float *lv = &l_[r * kLanes];   // per-lane sums, added up once per range
+        _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(corr), p));
+        m_[r] = mnew;
+        corr_[r] = corr;
+        for (int64_t b = 0; b < nb; ++b)
+            _mm512_storeu_ps(pw + b * kLanes, _mm512_mul_ps(p, _mm512_loadu_ps(&vd_[size_t(b) * kLanes])));
+    };
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     auto mask_row = [&](int64_t i) {
         return reinterpret_cast<const uint16_t *>(static_cast<const char *>(mask->data) + i * mask->nb[1]);
@@ -553,7 +550,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 const size_t r = size_t(hh) * n + i;
                 const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) +
                                                                   (g * G + hh) * q->nb[1] + i * q->nb[2]);
-                quantize_query_fine(qv, D, &qs_[r * 2 * D], &qd_[r * nb], &qsum_[r * nb]);
+                if (int_dots) quantize_query(qv, D, &qs_[r * D], &qd_[r * nb], &qsum_[r * nb]);
             }
         const char *kbase = static_cast<const char *>(k->data) + g * k_head;
         const char *vbase = static_cast<const char *>(v->data) + g * v_head;
@@ -603,8 +600,11 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                     transpose_stage<8>(Z, 2);
                     transpose_stage<8>(Z, 1);
                     transpose_stage<8>(Z, 0);
-                    for (int t = 0; t < 8; ++t)
-                        _mm512_storeu_si512(kt + t * kLanes, _mm512_xor_si512(Z[t], _mm512_set1_epi8(char(0x80))));
+                    if (int_dots)
+                        for (int t = 0; t < 8; ++t)
+                            _mm512_storeu_si512(kt + t * kLanes, _mm512_xor_si512(Z[t], _mm512_set1_epi8(char(0x80))));
+                    else
+                        for (int t = 0; t < 8; ++t) widen_group(Z[t], &kf_[size_t(b * 32 + 4 * t) * kLanes]);
                 } else {    // 16 rows x 4 groups: Z[p] = rows p, p + 4, p + 8, p + 12; nibbles split after
                     __m512i Z[4];
                     for (int p = 0; p < 4; ++p) {
@@ -615,10 +615,16 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                     }
                     transpose_stage<4>(Z, 1);
                     transpose_stage<4>(Z, 0);
-                    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+                    const __m512i lo4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
                     for (int t = 0; t < 4; ++t) {
-                        _mm512_storeu_si512(kt + t * kLanes, _mm512_and_si512(Z[t], lo4));
-                        _mm512_storeu_si512(kt + (t + 4) * kLanes, _mm512_and_si512(_mm512_srli_epi16(Z[t], 4), lo4));
+                        const __m512i lo = _mm512_and_si512(Z[t], lo4), hi = _mm512_and_si512(_mm512_srli_epi16(Z[t], 4), lo4);
+                        if (int_dots) {
+                            _mm512_storeu_si512(kt + t * kLanes, lo);
+                            _mm512_storeu_si512(kt + (t + 4) * kLanes, hi);
+                        } else {   // element 4t + j: low nibbles; 16 + 4t + j: high nibbles; both minus 8
+                            widen_group(_mm512_sub_epi8(lo, eight), &kf_[size_t(b * 32 + 4 * t) * kLanes]);
+                            widen_group(_mm512_sub_epi8(hi, eight), &kf_[size_t(b * 32 + 16 + 4 * t) * kLanes]);
+                        }
                     }
                 }
             }
@@ -629,44 +635,41 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 for (int a = 0; a < cnt; ++a) seen |= __mmask16((mr[slot[a]] != kF16NegInf) << a);
                 for (int64_t hh = 0; hh < G; ++hh) {
                     const size_t r = size_t(hh) * n + i;
-                    const int32_t *q4 = reinterpret_cast<const int32_t *>(&qs_[r * 2 * D]);   // hi bytes
-                    const int32_t *q4l = q4 + D / 4;                                          // lo bytes
+                    if (!int_dots) {   // f32: the query as it is against the widened keys, 4 chains per block
+                        const float *qv = reinterpret_cast<const float *>(static_cast<const char *>(q->data) +
+                                                                          (g * G + hh) * q->nb[1] + i * q->nb[2]);
+                        __m512 sc = _mm512_setzero_ps();
+                        for (int64_t b = 0; b < nb; ++b) {
+                            const float *kf = &kf_[size_t(b) * 32 * kLanes];
+                            const float *qb = qv + b * 32;
+                            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                            for (int e = 0; e < 32; e += 4) {
+                                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (e + 0) * kLanes), _mm512_set1_ps(qb[e + 0]), a0);
+                                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (e + 1) * kLanes), _mm512_set1_ps(qb[e + 1]), a1);
+                                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (e + 2) * kLanes), _mm512_set1_ps(qb[e + 2]), a2);
+                                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (e + 3) * kLanes), _mm512_set1_ps(qb[e + 3]), a3);
+                            }
+                            const __m512 sb = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+                            sc = _mm512_fmadd_ps(sb, _mm512_loadu_ps(&kd_[size_t(b) * kLanes]), sc);
+                        }
+                        scores_to_weights(r, _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), seen, sc, _mm512_set1_ps(P->scale)));
+                        continue;
+                    }
+                    const int32_t *q4 = reinterpret_cast<const int32_t *>(&qs_[r * D]);
                     __m512 sc = _mm512_setzero_ps();
                     for (int64_t b = 0; b < nb; ++b) {
                         const int32_t *kt = &kt_[size_t(b) * 8 * kLanes];
                         __m512i d0 = _mm512_setzero_si512(), d1 = d0;
-                        for (int t = 0; t < 8; ++t) {
-                            const __m512i kv = _mm512_loadu_si512(kt + t * kLanes);
-                            d0 = _mm512_dpbusd_epi32(d0, kv, _mm512_set1_epi32(q4[b * 8 + t]));
-                            d1 = _mm512_dpbusd_epi32(d1, kv, _mm512_set1_epi32(q4l[b * 8 + t]));
+                        for (int t = 0; t < 8; t += 2) {
+                            d0 = _mm512_dpbusd_epi32(d0, _mm512_loadu_si512(kt + t * kLanes), _mm512_set1_epi32(q4[b * 8 + t]));
+                            d1 = _mm512_dpbusd_epi32(d1, _mm512_loadu_si512(kt + (t + 1) * kLanes), _mm512_set1_epi32(q4[b * 8 + t + 1]));
                         }
-                        // 128 x hi + lo: the query to 1/128 of its int8 step (|.| < 2^31: see quantize_query_fine)
-                        const __m512i dq = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(d0, 7), d1),
+                        const __m512i dq = _mm512_sub_epi32(_mm512_add_epi32(d0, d1),
                                                             _mm512_set1_epi32(kbias * qsum_[r * nb + b]));
                         const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(&kd_[size_t(b) * kLanes]), _mm512_set1_ps(qd_[r * nb + b]));
                         sc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dq), w, sc);
                     }
-                    sc = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), seen, sc, _mm512_set1_ps(P->scale));
-                    // The running max moves only when some lane passes it (NaN lanes never do, and the
-                    // reduction ignores them, as the f32 path does); most tiles skip the reduction and the exp.
-                    float *pw = &pw_[r * nb * kLanes];
-                    float mnew = m_[r], corr = 1.f;
-                    if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(mnew), _CMP_GT_OQ)) {
-                        mnew = _mm512_reduce_max_ps(_mm512_max_ps(sc, _mm512_set1_ps(NEG_INF)));
-                        corr = std::exp(m_[r] - mnew);   // exp(-inf) = 0 on the first tile
-                    }
-                    if (mnew == NEG_INF) {   // nothing visible to this row yet
-                        std::fill(pw, pw + nb * kLanes, 0.f);
-                        corr_[r] = 1.f;
-                        continue;
-                    }
-                    const __m512 p = exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(mnew)));
-                    float *lv = &l_[r * kLanes];   // per-lane sums, added up once per range
-                    _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(corr), p));
-                    m_[r] = mnew;
-                    corr_[r] = corr;
-                    for (int64_t b = 0; b < nb; ++b)
-                        _mm512_storeu_ps(pw + b * kLanes, _mm512_mul_ps(p, _mm512_loadu_ps(&vd_[size_t(b) * kLanes])));
+                    scores_to_weights(r, _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), seen, sc, _mm512_set1_ps(P->scale)));
                 }
             }
             // V: per block, up to 8 rows' accumulators in registers while the tile's rows are added.
@@ -700,7 +703,8 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
 
 static bool tiled_applies(const PoolAttnParams *P, const ggml_tensor *k, const ggml_tensor *v, int64_t D) {
     auto quant = [](ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0; };
-    return P->quant_dots && quant(k->type) && quant(v->type) && D % 32 == 0;
+    (void)P;
+    return quant(k->type) && quant(v->type) && D % 32 == 0;
 }
 #endif
 

@@ -24,13 +24,14 @@ struct PoolAttnParams {
     int32_t n_split = 1;   // pool ranges (split-K)
     float scale = 1.f;
     // q8_0 / q4_0 K: integer dots against a quantized query (ggml's q8_0 activation rounding) instead
-    // of dequantized f32 rows.  Where the tiled AVX-512 VNNI kernel is compiled and both K and V are
-    // q8_0 / q4_0, that kernel runs; elsewhere the row-at-a-time integer path (no faster than f32).
-    // Off in the runtime: see runtime.cpp.
+    // of f32 dots.  Where the tiled AVX-512 kernel is compiled and both K and V are q8_0 / q4_0 that
+    // kernel runs either way (dpbusd, or f32 FMAs over keys widened in registers); elsewhere the
+    // row-at-a-time paths.  Off in the runtime: see runtime.cpp.
     bool quant_dots = false;
 };
 
-// Whether this build has the tiled integer kernel (AVX-512 F/BW/VL/VNNI at compile time).
+// Whether this build has the tiled kernel for q8_0 / q4_0 K and V (AVX-512 F/BW/VL/VNNI at compile
+// time); the runtime then uses it for those pools.
 bool pool_attention_tiled_available();
 
 // q:    [D, H, n]      f32, contiguous (post-RoPE)

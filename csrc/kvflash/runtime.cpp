@@ -145,8 +145,9 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     };
     g.attn = {hp.n_head_kv, n_split(n_kv_pool), 1.0f};   // the scale is the family's, set by Forward::attention
     g.attn_swa = {hp.n_head_kv, n_split(swa_tokens_), 1.0f};
-    // quant_dots stays off: the tiled integer kernel is exact against its emulation on the op alone, but
-    // inside the runtime it changed SmolLM2's greedy text (issue 21's note); f32 rows until that is found.
+    // quant_dots stays off: the query keeps its f32 values (the tiled kernel widens q8_0 / q4_0 keys to
+    // f32 instead).  Rounding the query per block as ggml does moved SmolLM2's attention outputs by 1-2%
+    // per layer (issue 21's note).
 
     Forward f;
     f.ctx = ctx;

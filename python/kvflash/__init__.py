@@ -6,7 +6,7 @@ chunks hold the slots.
 
     import kvflash
     s = kvflash.Session("smollm2-135m", max_ctx=8192, kvflash=1024, policy="lru")
-    for piece in s.chat([{"role": "user", "content": "What is the capital of France?"}]):
+    for piece in s.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}]):
         print(piece, end="")
 """
 from __future__ import annotations

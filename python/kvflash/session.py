@@ -154,7 +154,7 @@ class Session:
     """One conversation's state over a GGUF model, with the KV cache in a paged pool.
 
     >>> s = kvflash.Session("smollm2-135m", max_ctx=8192, kvflash=1024, policy="lru")
-    >>> print("".join(s.chat([{"role": "user", "content": "What is the capital of France?"}])))
+    >>> print("".join(s.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])))
     """
 
     def __init__(self, model: Union[str, os.PathLike, "_core.Model"] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,

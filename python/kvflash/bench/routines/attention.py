@@ -15,9 +15,9 @@ def run_attention(cfg: BenchConfig) -> Result:
     kernel) a graph of one decode query's attention over each paged layer's pool (the model's geometry,
     random K/V rows, every slot visible), timed per iteration beside a one-thread read pass over the same
     K/V bytes and a memcpy of them, all three interleaved in one loop.  Bandwidth = K/V bytes / seconds;
-    the ratio to the read pass is per iteration.  For q8_0 / q4_0 K both kernels run: the f32 path
-    (dequantized rows: the runtime's) and the integer dots against a quantized query (quant_dots: the
-    tiled AVX-512 VNNI kernel where the build has it), so their ratio is taken in one run."""
+    the ratio to the read pass is per iteration.  For q8_0 / q4_0 K both kernels run: f32 dots (the
+    runtime's: on AVX-512 VNNI builds the tiled kernel, elsewhere dequantized rows) and the integer dots
+    against a quantized query (quant_dots), so their ratio is taken in one run."""
     import kvflash
     from kvflash import _core
     from kvflash.models import resolve_model
@@ -46,10 +46,11 @@ def run_attention(cfg: BenchConfig) -> Result:
             ratios = [(kv / a) / (kv / b) for a, b in zip(r["attn_s"], r["read_s"])]
             a = summarize(x * 1e3 for x in r["attn_s"])
             if quant:
-                kernel = ("int8 tiled, AVX-512 VNNI (quantized query)" if tiled
+                kernel = ("tiled, int8 dots (quantized query)" if tiled and t != "f16"
                           else "int8 dots, row at a time (quantized query)")
             else:
-                kernel = "f32 (dequantized rows; the runtime's)"
+                kernel = ("tiled, f32 dots (keys widened in registers; the runtime's)" if tiled and t != "f16"
+                          else "f32 (dequantized rows; the runtime's)")
             row = {"model": model_label(cfg.model), "kv_type": t, "pool": p, "threads": th, "kernel": kernel,
                    "n_split": r["n_split"], "attn_ms": a, "us_layer": a["median"] * 1e3 / n_layers,
                    "attn_gib_s": summarize(kv / x / GIB for x in r["attn_s"]),
