@@ -46,10 +46,10 @@ def run_attention(cfg: BenchConfig) -> Result:
             ratios = [(kv / a) / (kv / b) for a, b in zip(r["attn_s"], r["read_s"])]
             a = summarize(x * 1e3 for x in r["attn_s"])
             if quant:
-                kernel = ("tiled, int8 dots (quantized query)" if tiled and t != "f16"
+                kernel = ("int8 dots, tiled (quantized query)" if tiled and t != "f16"
                           else "int8 dots, row at a time (quantized query)")
             else:
-                kernel = ("tiled, f32 dots (keys widened in registers; the runtime's)" if tiled and t != "f16"
+                kernel = ("f32 dots, tiled (keys widened in registers; the runtime's)" if tiled and t != "f16"
                           else "f32 (dequantized rows; the runtime's)")
             row = {"model": model_label(cfg.model), "kv_type": t, "pool": p, "threads": th, "kernel": kernel,
                    "n_split": r["n_split"], "attn_ms": a, "us_layer": a["median"] * 1e3 / n_layers,
