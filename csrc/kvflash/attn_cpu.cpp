@@ -385,7 +385,11 @@ struct TiledScratch {
 // 16-lane gather costs more here than the 16 loads it stands for.
 inline __m512 row_scales(const char *const *rows, int64_t off) {
     alignas(32) uint16_t h[16];
-    for (int a = 0; a < 16; ++a) std::memcpy(&h[a], rows[a] + off, 2);
+    for (int a = 0; a < 16; ++a) {
+        std::memcpy(&h[a], rows[a] + off, 2);
+        // scalar load + store, not a chain of vector inserts (the vector shuffle port is the busy one)
+        __asm__ volatile("" ::: "memory");
+    }
     return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i *>(h)));
 }
 }  // namespace
@@ -397,14 +401,17 @@ inline __m512 row_scales(const char *const *rows, int64_t off) {
 template <int N>
 static inline void v_block_accumulate(float *acc, size_t acc_stride, const float *pw, size_t pstride,
                                       const float *corr, const char *const *vrow, int64_t boff, int cnt, bool v8) {
-    __m512 A0[N], A1[N];
+    // Up to 4 rows: a second set of accumulators for odd tile rows, so that 4N chains hide the FMA latency.
+    constexpr int S = N <= 4 ? 2 : 1;
+    __m512 A0[S][N], A1[S][N];
     for (int j = 0; j < N; ++j) {
         const __m512 c = _mm512_set1_ps(corr[j]);
-        A0[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride), c);
-        A1[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride + 16), c);
+        A0[0][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride), c);
+        A1[0][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * acc_stride + 16), c);
+        if (S == 2) A0[S - 1][j] = A1[S - 1][j] = _mm512_setzero_ps();
     }
     const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
-    for (int a = 0; a < cnt; ++a) {
+    auto row = [&](int a, __m512 *B0, __m512 *B1) {
         const char *vb = vrow[a] + boff;
         __m512 x0, x1;
         if (v8) {
@@ -417,13 +424,23 @@ static inline void v_block_accumulate(float *acc, size_t acc_stride, const float
         }
         for (int j = 0; j < N; ++j) {
             const __m512 w = _mm512_set1_ps(pw[j * pstride + a]);
-            A0[j] = _mm512_fmadd_ps(w, x0, A0[j]);
-            A1[j] = _mm512_fmadd_ps(w, x1, A1[j]);
+            B0[j] = _mm512_fmadd_ps(w, x0, B0[j]);
+            B1[j] = _mm512_fmadd_ps(w, x1, B1[j]);
         }
+    };
+    int a = 0;
+    for (; a + S <= cnt; a += S) {
+        row(a, A0[0], A1[0]);
+        if (S == 2) row(a + 1, A0[S - 1], A1[S - 1]);
     }
+    if (a < cnt) row(a, A0[0], A1[0]);
     for (int j = 0; j < N; ++j) {
-        _mm512_storeu_ps(acc + j * acc_stride, A0[j]);
-        _mm512_storeu_ps(acc + j * acc_stride + 16, A1[j]);
+        if (S == 2) {
+            A0[0][j] = _mm512_add_ps(A0[0][j], A0[S - 1][j]);
+            A1[0][j] = _mm512_add_ps(A1[0][j], A1[S - 1][j]);
+        }
+        _mm512_storeu_ps(acc + j * acc_stride, A0[0][j]);
+        _mm512_storeu_ps(acc + j * acc_stride + 16, A1[0][j]);
     }
 }
 
