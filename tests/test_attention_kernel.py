@@ -4,7 +4,8 @@ For q8_0 / q4_0 K the integer kernel (quant_dots=True, not the runtime's default
 VNNI kernel where the build has it) quantizes the query per 32-element block (scale max|x| / 127, round to
 nearest even, as ggml quantizes activations for its q8_0 matmuls) and takes integer dot products: against a float64 emulation of exactly that it must agree to float rounding, and against the
 unquantized f32 attention no further than the query's rounding itself moves it.  The f32 path (quant_dots=False) must
-agree with the f32 reference to float rounding.  Masked slots contribute nothing in either."""
+agree with the f32 reference to float rounding, in the tiled kernel (q8_0 / q4_0 on AVX-512 VNNI builds)
+and in the row-at-a-time one (tiled=False).  Masked slots contribute nothing in either."""
 from __future__ import annotations
 
 import numpy as np
@@ -76,6 +77,9 @@ def test_pool_attention_matches_numpy(kind, n, H, Hkv, D, n_kv, n_split):
     f32 = _core.pool_attention(q, kb, vb, visible, kind, Hkv, scale, n_split=n_split, quant_dots=False)
     tol = 2e-5 * np.abs(ref).max()
     assert np.abs(f32 - ref).max() <= tol, np.abs(f32 - ref).max()
+    # the row-at-a-time f32 kernel too (the runtime's where the tiled one does not apply)
+    rows = _core.pool_attention(q, kb, vb, visible, kind, Hkv, scale, n_split=n_split, n_threads=2, tiled=False)
+    assert np.abs(rows - ref).max() <= tol, np.abs(rows - ref).max()
     got = _core.pool_attention(q, kb, vb, visible, kind, Hkv, scale, n_split=n_split, n_threads=2, quant_dots=True)
     if kind == "f16":   # the integer path is for quantized K only
         np.testing.assert_array_equal(got, f32)

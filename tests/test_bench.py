@@ -96,15 +96,18 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert "drafter" in text and "qk" in text
     if routine == "attention":
         rows = data["results"][0]["rows"]
-        # q8_0: both kernels per thread count; f16: the f32 kernel only
-        assert [(r["kv_type"], r["threads"], r["kernel"][:3]) for r in rows] == [
-            ("q8_0", 1, "int"), ("q8_0", 1, "f32"), ("q8_0", 2, "int"), ("q8_0", 2, "f32"), ("f16", 1, "f32"),
-            ("f16", 2, "f32")], rows
+        # q8_0: every kernel per thread count (with the tiled one: tiled f32, rows f32, tiled int8); f16: rows
+        from kvflash import _core
+        q8 = (["f32 dots, tiled", "f32, row", "int8 dots, tiled"] if _core.pool_attention_tiled_available()
+              else ["f32, row", "int8 dots, row"])
+        want = [("q8_0", th, k) for th in (1, 2) for k in q8] + [("f16", 1, "f32, row"), ("f16", 2, "f32, row")]
+        assert [(r["kv_type"], r["threads"], r["kernel"].split(" (")[0].split(" at")[0].rstrip(","))
+                for r in rows] == [(a, b, c.split(" at")[0]) for a, b, c in want], rows
         for r in rows:
             assert r["attn_ms"]["n"] == 3 and r["attn_gib_s"]["min"] > 0 and r["read_gib_s"]["min"] > 0, r
             assert r["kv_mib"] > 0 and r["vs_read"].endswith(")"), r
-        assert rows[0]["vs_f32"].endswith("x") and rows[4].get("vs_f32") is None
-        assert len(data["results"][0]["raw"]) == 6 * 3
+            assert r["kernel"].startswith("f32, row") == (r.get("vs_rows") is None), r
+        assert len(data["results"][0]["raw"]) == len(want) * 3
     if routine == "snapshot":
         res = data["results"][0]
         ops = ["prefill", "save", "restore", "restore_again", "restore_cold", "load"]

@@ -720,8 +720,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
 
 static bool tiled_applies(const PoolAttnParams *P, const ggml_tensor *k, const ggml_tensor *v, int64_t D) {
     auto quant = [](ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0; };
-    (void)P;
-    return quant(k->type) && quant(v->type) && D % 32 == 0;
+    return P->tiled && quant(k->type) && quant(v->type) && D % 32 == 0;
 }
 #endif
 
@@ -1012,7 +1011,7 @@ uint64_t read_pass(const std::vector<const uint8_t *> &bufs, size_t bytes_each) 
 
 void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *kd, const uint8_t *vd, int64_t n_kv, const uint8_t *visible, float scale,
-                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out) {
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled) {
     if (n < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1 || n_kv < 1 || n_split < 1 || n_threads < 1)
         throw std::invalid_argument("pool_attention: need n, heads, head_dim, slots, ranges and threads >= 1 and "
                                     "n_head a multiple of n_head_kv");
@@ -1041,6 +1040,7 @@ void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int
     params.n_split = n_split;
     params.scale = scale;
     params.quant_dots = quant_dots;
+    params.tiled = tiled;
     ggml_tensor *o = pool_attention_cpu(ctx, q, k, v, mask, &params);
     ggml_cgraph *gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, o);
@@ -1053,7 +1053,7 @@ void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int
 
 AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t D, int32_t H, int32_t Hkv, ggml_type type,
                                      int32_t n_threads, int32_t n_layers, int32_t n_queries, int32_t iters,
-                                     uint64_t seed, bool quant_dots) {
+                                     uint64_t seed, bool quant_dots, bool tiled) {
     if (n_kv < 64 || D < 32 || D % 32 || H < 1 || Hkv < 1 || H % Hkv || n_threads < 1 || n_layers < 1 ||
         n_queries < 1 || iters < 1)
         throw std::invalid_argument("bench_pool_attention: need n_kv >= 64, head_dim a multiple of 32, n_head a "
@@ -1084,6 +1084,7 @@ AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t D, int32_t H, int32_t
     params.n_head_kv = Hkv;
     params.scale = 1.f / std::sqrt(float(D));
     params.quant_dots = quant_dots;
+    params.tiled = tiled;
     // the runtime's choice of ranges (runtime.cpp)
     params.n_split = int32_t(std::max<int64_t>(1, std::min<int64_t>(
         {std::max<int64_t>(n_kv / 256, (2 * n_threads + Hkv - 1) / Hkv), 32, n_kv / 64})));

@@ -28,6 +28,9 @@ struct PoolAttnParams {
     // kernel runs either way (dpbusd, or f32 FMAs over keys widened in registers); elsewhere the
     // row-at-a-time paths.  Off in the runtime: see runtime.cpp.
     bool quant_dots = false;
+    // The tiled kernel where it applies (q8_0 / q4_0 K and V on AVX-512 VNNI builds); false: the
+    // row-at-a-time paths (the bench's and tests' window onto them).
+    bool tiled = true;
 };
 
 // Whether this build has the tiled kernel for q8_0 / q4_0 K and V (AVX-512 F/BW/VL/VNNI at compile
@@ -66,7 +69,7 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
 // sees the slot), out [n][H][D].  Throws invalid_argument on bad shapes or types.
 void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
-                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out);
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true);
 
 // The pool attention op alone, for the bench: n_layers independent K/V pools of n_kv
 // slots (random rows of `type`, every slot visible), one decode query per layer, all
@@ -81,6 +84,6 @@ struct AttnBenchResult {
 };
 AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t head_dim, int32_t n_head, int32_t n_head_kv, ggml_type type,
                                      int32_t n_threads, int32_t n_layers, int32_t n_queries, int32_t iters,
-                                     uint64_t seed, bool quant_dots = false);
+                                     uint64_t seed, bool quant_dots = false, bool tiled = true);
 
 }  // namespace kvflash
