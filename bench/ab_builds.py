@@ -22,7 +22,7 @@ import sys
 import time
 
 WORKER = r"""
-import sys, time, json
+import os, sys, time, json
 import kvflash
 from kvflash.bench.common import text_tokens
 cfg = json.loads(sys.argv[1])
@@ -36,7 +36,9 @@ for D in cfg["contexts"]:
     for i in range(0, D, 512):
         s.prefill(toks[i:i + 512])
     sess[D] = s
-print(json.dumps({"ready": kvflash.__file__}), file=out, flush=True)
+any_s = next(iter(sess.values()))
+print(json.dumps({"ready": kvflash.__file__, "weight_bytes": os.path.getsize(any_s.model_path),
+                  "pool_bytes": int(any_s.runtime.pool_bytes)}), file=out, flush=True)
 for line in sys.stdin:
     D, n = map(int, line.split())
     s = sess[D]
@@ -45,6 +47,16 @@ for line in sys.stdin:
         pass
     print(json.dumps({"s": time.perf_counter() - t0}), file=out, flush=True)
 """
+
+
+def read_bandwidth(nbytes: float) -> float:
+    """Bytes per second of one plain read pass (one thread) over about nbytes: the pool attention bench's
+    read pass, over one pool sized to hold them (its attention op runs too, and is ignored)."""
+    from kvflash import _core
+    row = 4 * 68   # q8_0 rows of 4 KV heads of 64
+    n_kv = max(64, int(nbytes / (2 * row)))
+    r = _core.bench_pool_attention(n_kv, 64, 4, 4, kv_type="q8_0", n_threads=1, n_layers=1, iters=3, seed=0)
+    return r["kv_bytes"] / statistics.median(r["read_s"])
 
 
 def main() -> int:
@@ -59,6 +71,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-type", default="q8_0", help="the sessions' KV type (f16, q8_0, q4_0)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a one-thread read pass per round and print the physical floor per context")
     a = ap.parse_args()
     builds = []
     for b in a.build:
@@ -75,15 +89,21 @@ def main() -> int:
            "kv_type": a.kv_type,
            "margin": a.rounds * a.steps + 64}
     workers = {}
+    sizes = {}
     for name, py in builds:   # one prefills at a time: each waits for the previous to be ready
         p = subprocess.Popen([py, "-c", WORKER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
         t0 = time.perf_counter()
         ready = json.loads(p.stdout.readline())
+        sizes = {"weights": ready["weight_bytes"], "pool": ready["pool_bytes"]}
         print(f"[ab_builds] {name}: {ready['ready']} prefilled {ctxs} in {time.perf_counter() - t0:.0f}s",
               file=sys.stderr)
         workers[name] = p
     rates = {(n, D): [] for n, _ in builds for D in ctxs}
+    # the physical floor: weights + the pool KV a token reads at each context, over this machine's
+    # one-thread read bandwidth, measured once per round between the decode runs (never beside one)
+    floor_bytes = {D: sizes["weights"] + sizes["pool"] * min(D, a.pool) / a.pool for D in ctxs}
+    read_bw = []
     names = [n for n, _ in builds]
     for r in range(a.rounds):
         k = r % len(names)
@@ -94,6 +114,8 @@ def main() -> int:
                 w.stdin.flush()
                 dt = json.loads(w.stdout.readline())["s"]
                 rates[(n, D)].append(a.steps / dt)
+        if a.floor:
+            read_bw.append(read_bandwidth(max(floor_bytes.values())))
         print(f"[ab_builds] round {r + 1}/{a.rounds} done", file=sys.stderr)
     for w in workers.values():
         w.stdin.close()
@@ -101,18 +123,30 @@ def main() -> int:
     ref = names[0]
     print(f"decode tok/s, {a.model}, {a.kv_type} KV, pool {a.pool}, policy {a.policy}, {a.threads} threads, {a.steps} steps per "
           f"round, {a.rounds} rounds interleaved (order rotated); ratio per round to {ref!r}\n")
-    print("| context | build | tok/s median | min-max | ratio to first (median) | per-round ratio min-max |")
-    print("|---:|---|---:|---:|---:|---:|")
+    bw = statistics.median(read_bw) if read_bw else None
+    print("| context | build | tok/s median | min-max | ratio to first (median) | per-round ratio min-max |"
+          + (" floor tok/s (weights + pool KV / read bandwidth) | measured / floor |" if bw else ""))
+    print("|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if bw else ""))
     for D in ctxs:
         for n in names:
             x = rates[(n, D)]
             rr = [u / v for u, v in zip(x, rates[(ref, D)])]
+            extra = ""
+            if bw:
+                fl = bw / floor_bytes[D]
+                extra = f" {fl:.0f} | {statistics.median(x) / fl:.2f} |"
             print(f"| {D} | {n} | {statistics.median(x):.2f} | {min(x):.2f}-{max(x):.2f} | "
-                  f"{statistics.median(rr):.3f} | {min(rr):.3f}-{max(rr):.3f} |")
+                  f"{statistics.median(rr):.3f} | {min(rr):.3f}-{max(rr):.3f} |" + extra)
+    if bw:
+        print(f"\nfloor: weights {sizes['weights'] / 2**20:.1f} MiB + pool KV read at each context (pool "
+              f"{sizes['pool'] / 2**20:.1f} MiB when full) over a one-thread read pass of that size: "
+              f"{bw / 2**30:.2f} GiB/s (median of {len(read_bw)} rounds, min-max "
+              f"{min(read_bw) / 2**30:.2f}-{max(read_bw) / 2**30:.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": {**cfg, "builds": dict(builds), "rounds": a.rounds, "steps": a.steps},
-                       "tok_s": {f"{n}@{D}": v for (n, D), v in rates.items()}}, f, indent=1)
+                       "tok_s": {f"{n}@{D}": v for (n, D), v in rates.items()},
+                       "read_bytes_per_s": read_bw, "floor_bytes": floor_bytes, "sizes": sizes}, f, indent=1)
     return 0
 
 

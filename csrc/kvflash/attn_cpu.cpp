@@ -223,6 +223,29 @@ static inline __m128 hsum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
+// exp(r) of x = n ln2 + r (ln2 in two parts, |r| <= ln2/2): a degree-6 polynomial with Cephes' expf
+// coefficients (~1 ulp), for 8 or 16 lanes; the caller applies 2^n.
+// O: the lane width's operations (Ops8 / Ops16).
+template <typename O>
+static inline typename O::V exp_poly(typename O::V x, typename O::V n) {
+    typename O::V r = O::fnmadd(n, O::set1(0.693359375f), x);
+    r = O::fnmadd(n, O::set1(-2.12194440e-4f), r);
+    typename O::V p = O::set1(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = O::fmadd(p, r, O::set1(c));
+    return O::fmadd(p, O::mul(r, r), O::add(r, O::set1(1.0f)));
+}
+struct Ops8 {
+    using V = __m256;
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+};
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 // exp(x) over 8 lanes for the softmax's shifted scores (x <= 0): x = n ln2 + r, |r| <= ln2/2, a
 // degree-6 polynomial for exp(r) (Cephes' expf coefficients, ~1 ulp), times 2^n.  Lanes below
 // -87 (-inf: a masked slot) give exactly 0; a NaN stays NaN.
@@ -232,15 +255,7 @@ static inline __m256 exp_nonpos(__m256 x) {
     x = _mm256_max_ps(lo, x);   // a NaN x passes through (max_ps returns its second operand then)
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256 p = exp_poly<Ops8>(x, n);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
@@ -465,6 +480,15 @@ static inline void transpose_stage(__m512i *Z, int bit) {
     }
 }
 
+struct Ops16 {
+    using V = __m512;
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+};
+
 // exp_nonpos over 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
 static inline __m512 exp512_nonpos(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
@@ -472,15 +496,7 @@ static inline __m512 exp512_nonpos(__m512 x) {
     x = _mm512_max_ps(lo, x);   // a NaN x passes through
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 p = exp_poly<Ops16>(x, n);
     return _mm512_maskz_scalef_ps(live, p, n);
 }
 
