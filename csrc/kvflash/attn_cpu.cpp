@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -518,6 +517,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
     const int64_t kbs = k8 ? 34 : 18, vbs = v8 ? 34 : 18;
     const size_t k_head = size_t(nb * kbs), v_head = size_t(nb * vbs);
     const int32_t kbias = k8 ? 128 : 8;
+    const size_t k_row = size_t(k->ne[0] / 32 * kbs), v_row = size_t(v->ne[0] / 32 * vbs);   // all heads
     const bool int_dots = P->quant_dots;   // else f32 dots of the unrounded query with the widened keys
     static thread_local TiledScratch tls;
     TiledScratch &T = tls;
@@ -611,6 +611,20 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                 pend &= pend - 1;
             }
             if (cnt == 0) break;
+#if defined(__GNUC__)
+            // The first head of a range to pass asks for whole pool rows two tiles ahead (the other heads
+            // then find them in L2): K/V arrive from L3 or memory once the weights have swept the caches.
+            if (g == 0 || item == it0) {
+                const char *kr0 = static_cast<const char *>(k->data), *vr0 = static_cast<const char *>(v->data);
+                for (int64_t j = int64_t(slot[cnt - 1]) + 1 + kLanes, je = std::min(s1, j + kLanes); j < je; ++j) {
+                    const char *kr = kr0 + j * k->nb[1], *vr = vr0 + j * v->nb[1];
+                    for (size_t o = 0; o < k_row; o += 64) __builtin_prefetch(kr + o);
+                    __builtin_prefetch(kr + k_row - 1);
+                    for (size_t o = 0; o < v_row; o += 64) __builtin_prefetch(vr + o);
+                    __builtin_prefetch(vr + v_row - 1);
+                }
+            }
+#endif
             for (int a = cnt; a < kLanes; ++a) slot[a] = slot[0];
             const char *krow[kLanes];
             const char *vrow0[kLanes];
