@@ -29,6 +29,9 @@ build without it, or for a CUDA device that is not visible.
              "(free, total) bytes of the model's device now (ggml's device memory query; on CUDA free is what is "
              "left after the weights and everything else allocated; on the CPU ggml reports free == total).")
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
+        .def_property_readonly("weight_placement", &Model::weight_placement,
+                               "the CPU extra buffer types holding converted matrix weights, 'name: MiB' each "
+                               "(empty: every weight is mapped from the file; KVFLASH_NO_REPACK=1 asks for that)")
         .def_property("n_threads", &Model::n_threads, [](Model &m, int32_t n) {
             if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
             m.set_n_threads(n);

@@ -71,6 +71,8 @@ public:
     const ArchOps &arch() const { return *arch_; }
     const std::string &path() const { return path_; }
     size_t weight_bytes() const { return weight_bytes_; }
+    // Where the matrix weights went beside the mapping ("CPU_REPACK: 60.2 MiB", ...); empty: all mapped.
+    const std::vector<std::string> &weight_placement() const { return repacked_; }
     ggml_backend_t backend() const { return backend_; }
     const Device &device() const { return device_; }
     bool on_cpu() const { return device_.kind == Device::Kind::CPU; }
@@ -97,6 +99,8 @@ private:
     void read_header(const std::string &path);    // magic, gguf header, tensor extents, hparams
     void read_tensors();                          // every weight, with its shape checked
     void place_weights(int32_t n_threads);        // mmap (CPU) or upload (CUDA)
+    // per GGUF tensor: the CPU extra buffer type that takes it (nullptr: stays mapped)
+    std::vector<ggml_backend_buffer_type_t> extra_placement() const;
 
     std::string path_;
     Device device_;
@@ -106,6 +110,8 @@ private:
     ggml_context *meta_ = nullptr;
     ggml_backend_t backend_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_backend_buffer_t> extra_bufs_;   // matrix weights converted for ggml's CPU kernels
+    std::vector<std::string> repacked_;               // "buffer type: MiB", for weight_placement()
     void *map_ = nullptr;             // the file mapping (CPU backend only; unmapped after a CUDA upload)
     size_t map_bytes_ = 0, weight_bytes_ = 0;
     int32_t n_threads_ = 1;

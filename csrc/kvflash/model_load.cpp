@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -377,9 +378,59 @@ void Model::place_weights(int32_t threads) {
     backend_ = ggml_backend_cpu_init();
     if (!backend_) throw std::runtime_error("cannot initialise the ggml CPU backend");
     set_n_threads(threads);
+    // Matrix weights go to the CPU backend's extra buffer types where one takes them (AMX tiles, the
+    // repacked interleaves: ggml's faster matmul kernels for this CPU), as llama.cpp places them; their
+    // bytes are converted on upload and leave the mapping.  Everything else (embeddings, norms, a tied
+    // output head that get_rows also reads) stays mapped.  KVFLASH_NO_REPACK=1 maps everything.
+    // ggml's repackers log every tensor at debug level: keep warnings and errors only while they run
+    struct QuietLog {
+        ggml_log_callback prev = nullptr;
+        void *prev_ud = nullptr;
+        QuietLog() {
+            ggml_log_get(&prev, &prev_ud);
+            ggml_log_set(&QuietLog::sink, this);
+        }
+        ~QuietLog() { ggml_log_set(prev, prev_ud); }
+        static void sink(ggml_log_level level, const char *text, void *ud) {
+            auto *self = static_cast<QuietLog *>(ud);
+            if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && self->prev) self->prev(level, text, self->prev_ud);
+        }
+    } quiet;
+    const std::vector<ggml_backend_buffer_type_t> where = extra_placement();
     buf_ = ggml_backend_cpu_buffer_from_ptr(map_, map_bytes_);
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    std::vector<ggml_backend_buffer_type_t> bufts;
+    for (auto *b : where)
+        if (b && std::find(bufts.begin(), bufts.end(), b) == bufts.end()) bufts.push_back(b);
+    for (ggml_backend_buffer_type_t buft : bufts) {
+        const size_t align = ggml_backend_buft_get_alignment(buft);
+        auto up = [align](size_t x) { return (x + align - 1) / align * align; };
+        size_t need = 0;
+        for (int64_t i = 0; i < n_tensors; ++i)
+            if (where[size_t(i)] == buft) need += up(ggml_backend_buft_get_alloc_size(buft, nth(i)));
+        ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(buft, need);
+        if (!b) throw std::runtime_error(path_ + ": cannot allocate " + mib(need) + " for weights in " + ggml_backend_buft_name(buft));
+        extra_bufs_.push_back(b);
+        ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        char *base = static_cast<char *>(ggml_backend_buffer_get_base(b));
+        size_t off = 0;
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            if (where[size_t(i)] != buft) continue;
+            ggml_tensor *t = nth(i);
+            if (ggml_backend_tensor_alloc(b, t, base + off) != GGML_STATUS_SUCCESS)
+                throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(t));
+            ggml_backend_tensor_set(t, file_bytes(i), 0, ggml_nbytes(t));   // converted here
+            off += up(ggml_backend_buft_get_alloc_size(buft, t));
+            // the mapped pages of this tensor are not read again: give them back
+            const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE)), lo = uintptr_t(file_bytes(i)),
+                            hi = lo + ggml_nbytes(t), a0 = (lo + page - 1) / page * page, a1 = hi / page * page;
+            if (a1 > a0) ::madvise(reinterpret_cast<void *>(a0), a1 - a0, MADV_DONTNEED);
+        }
+        weight_bytes_ += need;
+        repacked_.push_back(std::string(ggml_backend_buft_name(buft)) + ": " + mib(need));
+    }
     for (int64_t i = 0; i < n_tensors; ++i) {
+        if (where[size_t(i)]) continue;
         if (ggml_backend_tensor_alloc(buf_, nth(i), file_bytes(i)) != GGML_STATUS_SUCCESS)
             throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(nth(i)));
         weight_bytes_ += ggml_nbytes(nth(i));
@@ -387,7 +438,53 @@ void Model::place_weights(int32_t threads) {
     ::madvise(map_, map_bytes_, MADV_WILLNEED);
 }
 
+std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
+    const int64_t n_tensors = gguf_get_n_tensors(gguf_);
+    std::vector<ggml_backend_buffer_type_t> where(size_t(n_tensors), nullptr);
+    const char *off = std::getenv("KVFLASH_NO_REPACK");
+    if (off && *off && std::strcmp(off, "0") != 0) return where;
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+                         ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
+                   : nullptr;
+    ggml_backend_buffer_type_t *extra = get ? get(dev) : nullptr;
+    if (!extra || !*extra) return where;
+    // the tensors that only feed matrix products (a tied head also feeds get_rows: it stays)
+    std::vector<const ggml_tensor *> mm;
+    for (const LayerWeights &L : layers)
+        for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
+            if (t) mm.push_back(t);
+    if (output && output != tok_embd) mm.push_back(output);
+    ggml_init_params ip{8 * ggml_tensor_overhead(), nullptr, true};
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        ggml_tensor *w = ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i));
+        if (std::find(mm.begin(), mm.end(), w) == mm.end()) continue;
+        for (ggml_backend_buffer_type_t *b = extra; *b; ++b) {
+            // not ggml's AMX buffer: its mul_mat crashed on 2-token batches here (issue 21's note)
+            if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) continue;
+            // does the device run a product with w held in this buffer type?  (as llama.cpp asks it)
+            ggml_context *ctx = ggml_init(ip);
+            if (!ctx) break;
+            ggml_tensor *x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
+            ggml_tensor *op = ggml_mul_mat(ctx, w, x);
+            ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(*b, 0);
+            w->buffer = dummy;
+            const bool ok = dummy && ggml_backend_dev_supports_op(dev, op);
+            w->buffer = nullptr;
+            if (dummy) ggml_backend_buffer_free(dummy);
+            ggml_free(ctx);
+            if (ok) {
+                where[size_t(i)] = *b;
+                break;
+            }
+        }
+    }
+    return where;
+}
+
 Model::~Model() {
+    for (ggml_backend_buffer_t b : extra_bufs_) ggml_backend_buffer_free(b);
     if (buf_) ggml_backend_buffer_free(buf_);
     if (backend_) ggml_backend_free(backend_);
     if (meta_) ggml_free(meta_);
