@@ -71,7 +71,7 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
 ggml_tensor *Forward::head(ggml_tensor *x, bool all_logits) const {
     if (!all_logits && n > 1) x = ggml_view_2d(ctx, x, hp->n_embd, 1, x->nb[1], size_t(n - 1) * x->nb[1]);
     x = norm(x, model->output_norm);
-    ggml_tensor *logits = ggml_mul_mat(ctx, model->output, x);
+    ggml_tensor *logits = ggml_mul_mat(ctx, model->output_for(int32_t(x->ne[1])), x);
     if (hp->final_softcap > 0.f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_softcap);
         logits = ggml_tanh(ctx, logits);

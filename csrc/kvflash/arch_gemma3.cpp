@@ -49,7 +49,7 @@ ggml_tensor *embed(Forward &f) {
 ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
     ggml_context *ctx = f.ctx;
     const Hparams &hp = *f.hp;
-    const LayerWeights &L = f.model->layers[il];
+    const LayerWeights &L = f.model->layer(il, f.n);
     ggml_tensor *cur = f.norm(x, L.attn_norm);
     ggml_tensor *q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, cur), hp.head_dim_k, hp.n_head, f.n);     // [D, H, n]
     ggml_tensor *k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hp.head_dim_k, hp.n_head_kv, f.n);  // [D, Hkv, n]

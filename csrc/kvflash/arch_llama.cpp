@@ -28,7 +28,7 @@ ggml_tensor *embed(Forward &f) { return ggml_get_rows(f.ctx, f.model->tok_embd, 
 ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
     ggml_context *ctx = f.ctx;
     const Hparams &hp = *f.hp;
-    const LayerWeights &L = f.model->layers[il];
+    const LayerWeights &L = f.model->layer(il, f.n);
     ggml_tensor *cur = f.norm(x, L.attn_norm);
     ggml_tensor *q = ggml_mul_mat(ctx, L.wq, cur);
     ggml_tensor *k = ggml_mul_mat(ctx, L.wk, cur);

@@ -93,6 +93,13 @@ public:
 
     ggml_tensor *tok_embd = nullptr, *output_norm = nullptr, *output = nullptr;
     std::vector<LayerWeights> layers;
+    // The weights a graph of n tokens multiplies by: for one-token graphs (decode) the copies in ggml's
+    // AMX buffer where the load made them (its kernels for one row are the fast ones; for several rows
+    // they crashed here, so batches keep the mapped weights).
+    const LayerWeights &layer(int32_t il, int32_t n) const {
+        return n == 1 && !decode_layers_.empty() ? decode_layers_[size_t(il)] : layers[size_t(il)];
+    }
+    ggml_tensor *output_for(int32_t n) const { return n == 1 && decode_output_ ? decode_output_ : output; }
 
 private:
     Model() = default;
@@ -111,6 +118,10 @@ private:
     ggml_backend_t backend_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_backend_buffer_t> extra_bufs_;   // matrix weights converted for ggml's CPU kernels
+    ggml_context *decode_meta_ = nullptr;             // the one-token graphs' copies (AMX), see layer()
+    std::vector<LayerWeights> decode_layers_;
+    ggml_tensor *decode_output_ = nullptr;
+    void place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &where);
     std::vector<std::string> repacked_;               // "buffer type: MiB", for weight_placement()
     void *map_ = nullptr;             // the file mapping (CPU backend only; unmapped after a CUDA upload)
     size_t map_bytes_ = 0, weight_bytes_ = 0;

@@ -436,6 +436,74 @@ void Model::place_weights(int32_t threads) {
         weight_bytes_ += ggml_nbytes(nth(i));
     }
     ::madvise(map_, map_bytes_, MADV_WILLNEED);
+    place_decode_copies(where);
+}
+
+void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &where) {
+    const char *off = std::getenv("KVFLASH_NO_REPACK");
+    if (off && *off && std::strcmp(off, "0") != 0) return;
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+                         ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
+                   : nullptr;
+    ggml_backend_buffer_type_t amx = nullptr;
+    for (ggml_backend_buffer_type_t *b = get ? get(dev) : nullptr; b && *b; ++b)
+        if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) amx = *b;
+    if (!amx) return;
+    // the mapped matrix weights AMX takes for a one-row product (a tied head included: its copy is
+    // only multiplied by, the mapped original serves get_rows)
+    std::vector<ggml_tensor *> cand;
+    auto consider = [&](ggml_tensor *w) {
+        if (!w || std::find(cand.begin(), cand.end(), w) != cand.end()) return;
+        for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i)
+            if (ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i)) == w && where[size_t(i)]) return;   // moved already
+        ggml_init_params ip{8 * ggml_tensor_overhead(), nullptr, true};
+        ggml_context *ctx = ggml_init(ip);
+        if (!ctx) return;
+        ggml_tensor *probe = ggml_dup_tensor(ctx, w);   // w itself stays in the mapping
+        ggml_tensor *x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 1, w->ne[2], w->ne[3]);
+        ggml_tensor *op = ggml_mul_mat(ctx, probe, x);
+        ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(amx, 0);
+        probe->buffer = dummy;
+        if (dummy && ggml_backend_dev_supports_op(dev, op)) cand.push_back(w);
+        if (dummy) ggml_backend_buffer_free(dummy);
+        ggml_free(ctx);
+    };
+    for (const LayerWeights &L : layers)
+        for (ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down}) consider(t);
+    consider(output);
+    if (cand.empty()) return;
+    ggml_init_params ip{(cand.size() + 1) * ggml_tensor_overhead(), nullptr, true};
+    decode_meta_ = ggml_init(ip);
+    if (!decode_meta_) return;
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> copies;
+    for (ggml_tensor *w : cand) {
+        ggml_tensor *c = ggml_dup_tensor(decode_meta_, w);
+        ggml_format_name(c, "%s (1-row)", ggml_get_name(w));
+        copies.emplace_back(w, c);
+    }
+    ggml_backend_buffer_t b = ggml_backend_alloc_ctx_tensors_from_buft(decode_meta_, amx);
+    if (!b) {   // no room for the copies: decode keeps the mapped weights
+        ggml_free(decode_meta_);
+        decode_meta_ = nullptr;
+        return;
+    }
+    extra_bufs_.push_back(b);
+    ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (auto &wc : copies) ggml_backend_tensor_set(wc.second, wc.first->data, 0, ggml_nbytes(wc.first));
+    auto copy_of = [&](ggml_tensor *w) {
+        for (auto &wc : copies)
+            if (wc.first == w) return wc.second;
+        return w;
+    };
+    decode_layers_ = layers;
+    for (LayerWeights &L : decode_layers_)
+        for (ggml_tensor **t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down}) *t = copy_of(*t);
+    decode_output_ = copy_of(output) == output ? nullptr : copy_of(output);
+    const size_t bytes = ggml_backend_buffer_get_size(b);
+    weight_bytes_ += bytes;
+    repacked_.push_back(std::string("AMX, one-token copies: ") + mib(bytes));
 }
 
 std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
@@ -461,7 +529,8 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
         ggml_tensor *w = ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i));
         if (std::find(mm.begin(), mm.end(), w) == mm.end()) continue;
         for (ggml_backend_buffer_type_t *b = extra; *b; ++b) {
-            // not ggml's AMX buffer: its mul_mat crashed on 2-token batches here (issue 21's note)
+            // ggml's AMX buffer only for the one-token copies (place_decode_copies): its mul_mat for
+            // several rows crashed here, llama-bench's too (issue 21's note)
             if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) continue;
             // does the device run a product with w held in this buffer type?  (as llama.cpp asks it)
             ggml_context *ctx = ggml_init(ip);
@@ -485,6 +554,7 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
 
 Model::~Model() {
     for (ggml_backend_buffer_t b : extra_bufs_) ggml_backend_buffer_free(b);
+    if (decode_meta_) ggml_free(decode_meta_);
     if (buf_) ggml_backend_buffer_free(buf_);
     if (backend_) ggml_backend_free(backend_);
     if (meta_) ggml_free(meta_);
