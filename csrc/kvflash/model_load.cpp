@@ -335,6 +335,18 @@ void Model::read_tensors() {
     }
 }
 
+// The CPU device's extra buffer types (a null-terminated list), or nullptr when there are none or
+// KVFLASH_NO_REPACK asks for every weight to stay mapped.
+static ggml_backend_buffer_type_t *cpu_extra_bufts(ggml_backend_dev_t dev) {
+    const char *off = std::getenv("KVFLASH_NO_REPACK");
+    if ((off && *off && std::strcmp(off, "0") != 0) || !dev) return nullptr;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+                         ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
+                   : nullptr;
+    return get ? get(dev) : nullptr;
+}
+
 void Model::place_weights(int32_t threads) {
     // Map the file; the CPU backend points the tensors into it (no copy),
     // CUDA uploads them into one device buffer and drops the mapping.
@@ -440,15 +452,9 @@ void Model::place_weights(int32_t threads) {
 }
 
 void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &where) {
-    const char *off = std::getenv("KVFLASH_NO_REPACK");
-    if (off && *off && std::strcmp(off, "0") != 0) return;
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
-                         ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
-                   : nullptr;
     ggml_backend_buffer_type_t amx = nullptr;
-    for (ggml_backend_buffer_type_t *b = get ? get(dev) : nullptr; b && *b; ++b)
+    for (ggml_backend_buffer_type_t *b = cpu_extra_bufts(dev); b && *b; ++b)
         if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) amx = *b;
     if (!amx) return;
     // the mapped matrix weights AMX takes for a one-row product (a tied head included: its copy is
@@ -509,14 +515,8 @@ void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &w
 std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     std::vector<ggml_backend_buffer_type_t> where(size_t(n_tensors), nullptr);
-    const char *off = std::getenv("KVFLASH_NO_REPACK");
-    if (off && *off && std::strcmp(off, "0") != 0) return where;
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
-                         ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
-                   : nullptr;
-    ggml_backend_buffer_type_t *extra = get ? get(dev) : nullptr;
+    ggml_backend_buffer_type_t *extra = cpu_extra_bufts(dev);
     if (!extra || !*extra) return where;
     // the tensors that only feed matrix products (a tied head also feeds get_rows: it stays)
     std::vector<const ggml_tensor *> mm;
