@@ -30,6 +30,9 @@ def tiny(tmp_path_factory):
     ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
     ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
+    ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
+               "--chunk-tokens", "16", "--policies", "lru,qk,drafter", "--haystacks", "filler,ledger",
+               "--split", "tuning"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
 ])
@@ -123,6 +126,29 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         raw = res["raw"]   # each repeat: its own prefill, and the file's size is what was written
         assert len(raw) == 4 and all(x["file_bytes"] > 0 and x["prefill"] > 0 for x in raw)
         assert sum("A/A restore" in n for n in res["notes"]) == 2
+    if routine == "ruler":
+        res = data["results"][0]
+        rows = res["rows"]
+        tasks = ["single", "multikey", "multivalue", "multiquery", "aggregate"]
+        # per task: the full cache, then each policy at 1/4 (pool 256 = 16 chunks of 16)
+        assert [(r["task"], r["policy"]) for r in rows] == [(t, p) for t in tasks
+                                                            for p in ("full", "lru", "qk", "drafter")], rows
+        for r in rows:
+            n = 1 if r["task"] == "aggregate" else 2   # one trial per haystack
+            first = next(x for x in rows if x["task"] == r["task"])   # the task's full-cache row
+            assert r["trials"] == n and 0 <= r["score"] <= 100 and r["full"] == first["score"], r
+            if r["policy"] != "full":
+                assert r["pool"] == 256 and r["residency"] == "1/4", r
+            if r["policy"] in ("qk", "drafter"):
+                assert r["ranks"].endswith("(10)"), r   # 16 chunks - sink - 4 tail - the open one
+        assert any("16 chunks of 16" in n for n in res["notes"]) and any("TUNING data" in n for n in res["notes"])
+        log = out / "trials.jsonl"
+        lines = log.read_text().splitlines()
+        assert len(lines) == 9   # 4 needle tasks x 2 haystacks + the aggregate list
+        # a second run with the same log measures nothing again and reports the same table
+        assert cli.main(argv) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert again["results"][0]["rows"] == rows and len(log.read_text().splitlines()) == 9
     if routine == "serve":
         res = data["results"][0]
         rows = res["rows"]
@@ -212,3 +238,82 @@ def test_passkey_span_and_rank():
     rr = [rank_of(scores, prot, c) for c in (1, 2)]
     assert rr == [0, 2] and span_rank(rr) == 2 and rank_text(rr) == "0+2"
     assert rank_text([rank_of(scores, prot, 0)]) == "p" and span_rank([-1, -1]) == -1
+
+
+def test_ruler_prompts(tiny):
+    """The ruler splits share no wording, key word or value word; every needle value occurs once in its
+    prompt, the target near its depth; the aggregate list's common words lead by a margin; prompts fill
+    their budget; scoring is RULER's share of values found."""
+    import collections
+    import re
+    import kvflash
+    from kvflash.bench import ruler
+    w_t, w_r = ruler.WORDINGS["tuning"], ruler.WORDINGS["reporting"]
+    assert not set(w_t.values()) & set(w_r.values())
+    s = kvflash.Session(tiny, max_ctx=2048, kvflash=None, threads=1, verbose=False)
+    tb, rb = ruler.RulerBuilder(s, 7, split="tuning"), ruler.RulerBuilder(s, 7, split="reporting")
+    assert not {w for k in tb.keys for w in k.split("-")} & {w for k in rb.keys for w in k.split("-")}
+    assert not set(tb.value_words) & set(rb.value_words)
+    assert not set(ruler.aggregate_vocabulary("tuning")) & set(ruler.aggregate_vocabulary("reporting"))
+    with pytest.raises(ValueError, match="split"):
+        ruler.RulerBuilder(s, 7, split="tuning-indirect")
+    n_values = {"single": 1, "multikey": 1, "multivalue": 4, "multiquery": 2}
+    for b in (tb, rb):
+        for task in ruler.NEEDLE_TASKS:
+            for hay in ruler.HAYSTACKS:
+                for i in range(3):
+                    t = b.trial(task, hay, i, 1500)
+                    text = s.detokenize(t.ids)
+                    assert 1500 - 150 <= len(t.ids) <= 1500, (task, hay, len(t.ids))   # within a sentence
+                    assert len(t.values) == n_values[task] and len(set(t.values)) == len(t.values)
+                    for v in t.values:
+                        assert text.count(v) == 1, (task, hay, v)
+                    body = text[:text.rindex("\n\n")]
+                    at = body.index(t.values[0]) / len(body)
+                    assert abs(100 * at - t.depth) < 20, (task, hay, t.depth, at)   # a sentence is ~7% here
+                    n_needles = text.count(b.w["needle"].split("{kind}")[0])
+                    assert n_needles == {"single": 1, "multikey": 4, "multivalue": 4, "multiquery": 2}[task]
+                    if task == "single":
+                        assert t.kind == ruler.KINDS[i % 3]
+                    if hay == "ledger":
+                        assert sum(ch.isdigit() for ch in text) > 60   # ~15 sentences of records here
+        agg = b.trial("aggregate", "list", 0, 1500)
+        words = re.findall(r"[a-z]+", s.detokenize(agg.ids).split("list of words:")[1].split(".")[0])
+        counts = collections.Counter(words)
+        top = [w for w, _ in counts.most_common(3)]
+        assert sorted(top) == sorted(agg.values)
+        assert min(counts[w] for w in agg.values) >= 3 * max(c for w, c in counts.items() if w not in agg.values)
+    assert ruler.score("They are 1,234,567 and 7 654 321.", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    assert ruler.score("Kiwi", ["kiwi"]) == 1.0 and ruler.score("", ["kiwi"]) == 0.0
+    with pytest.raises(ValueError):
+        ruler.score("x", [])
+
+
+def test_ruler_shared_prefill_equals_a_policys_own(tiny, tmp_path):
+    """What the ruler routine does per policy -- an LRU prefill restored from a snapshot, then the policy's
+    post-prompt rescore and re-read -- leaves the session as Session.prefill under that policy does."""
+    import numpy as np
+    import kvflash
+    from kvflash.bench.common import text_tokens
+    from kvflash.policies import LRUPolicy
+    kw = dict(max_ctx=2048, kvflash=256, threads=1, verbose=False, chunk_tokens=16, seed=3)
+    own = kvflash.Session(tiny, policy="qk", **kw)
+    shared = kvflash.Session(tiny, policy="qk", **kw)
+    ids = [int(x) for x in text_tokens(own, 1500)]
+    own.prefill(ids)
+    qk = shared.policy
+    shared.policy = LRUPolicy()
+    shared.prefill(ids)
+    shared.save(tmp_path / "p.kvfs")
+    shared.prefill(ids[:40])   # move on, so the restore has something to undo
+    shared.restore(tmp_path / "p.kvfs")
+    shared.policy = qk
+    shared._settle_prompt(ids)
+    assert own.pager.stats["host_chunks"] > 0 and own.stats["rescores"] == 1
+    np.testing.assert_array_equal(own.last_scores, shared.last_scores)
+    a, b = own.pager.chunk_table(), shared.pager.chunk_table()
+    np.testing.assert_array_equal(a["block"], b["block"])
+    np.testing.assert_array_equal(own.logits(), shared.logits())
+    ga = list(own.generate(None, max_tokens=8, temperature=0.0))
+    gb = list(shared.generate(None, max_tokens=8, temperature=0.0))
+    assert ga == gb

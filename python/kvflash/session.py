@@ -431,6 +431,12 @@ class Session:
         self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32))
         self._prefill_s += time.perf_counter() - t0
         self._tokens.extend(ids)
+        self._settle_prompt(ids)
+        return len(ids)
+
+    def _settle_prompt(self, ids: list[int]) -> None:
+        """After a prompt's eval: a scored policy whose prompt outgrew the pool picks the residents now.
+        (The bench's ruler routine calls this on a restored prefill to share one prefill across policies.)"""
         if self._scored() and self.pager.stats["host_chunks"] > 0:
             # The prompt outgrew the pool: let the policy pick the residents against the
             # prompt's tail now (the question usually sits there), then re-read the last
@@ -442,7 +448,6 @@ class Session:
                 k = max(1, min(len(ids), self.reeval_tokens))
                 self.runtime.truncate(self.runtime.n_past - k)
                 self._last_logits = self.runtime.eval(np.asarray(ids[-k:], dtype=np.int32))
-        return len(ids)
 
     def _scored(self) -> bool:
         return self.kvflash and not isinstance(self.policy, LRUPolicy)

@@ -11,7 +11,9 @@ from typing import Optional
 
 from .common import BenchConfig, log, machine_info
 
-ROUTINE_NAMES = ["ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve"]
+ROUTINE_NAMES = ["ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
+                 "ruler"]
+# `all` leaves out ruler: its matrix takes hours (run it by name, in parts: it resumes from its trial log)
 ALL_ORDER = ["memory", "paging", "attention", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
@@ -29,6 +31,8 @@ PRESETS = {
         "snapshot": dict(contexts=[1024, 2048]),
         "serve": dict(contexts=[1024], decode_steps=64, clients=4, client_prompt=256, client_tokens=16),
         "attention": dict(pools=[512, 2048], repeats=5),
+        "ruler": dict(contexts=[1024], needles=1, haystacks=["filler"], ruler_residencies=[4], chunk_tokens=16,
+                      ruler_aggregate_residencies=[4], policies=["lru", "qk"], split="tuning"),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -46,6 +50,9 @@ PRESETS = {
         "attention": dict(pools=[512, 1024, 2048, 4096, 8192], repeats=9, attn_kv_types=["q8_0", "q4_0", "f16"]),
         "serve": dict(contexts=[4096], repeats=5, decode_steps=128, clients=8, parallel=2, client_prompt=512,
                       client_tokens=32),
+        # issue 18's matrix: hours on 2 cores, so run it per context (it resumes from <out>/trials.jsonl)
+        "ruler": dict(model="gemma3-270m", contexts=[4096, 8192, 16384], needles=8, haystacks=["filler", "ledger"],
+                      policies=["lru", "qk", "drafter"]),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {
@@ -101,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'plot' redraws PNGs from a results.json given with --from")
     p.add_argument("--preset", choices=list(PRESETS), default="quick",
                    help="sizes for contexts, repeats and trials (default quick)")
-    p.add_argument("--model", "-m", default="smollm2-135m", help="model name or GGUF path (default smollm2-135m)")
+    p.add_argument("--model", "-m", default=None,
+                   help="model name or GGUF path (default smollm2-135m; ruler --preset standard: gemma3-270m)")
     p.add_argument("--threads", "-t", type=int, help="compute threads (default: physical cores)")
     p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
     p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
@@ -161,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention: KV types compared, comma list of f16, q8_0, q4_0 (default q8_0; standard all three)")
     p.add_argument("--thread-counts", type=_int_list, default=None,
                    help="attention: thread counts, comma list (default 1,2)")
+    p.add_argument("--tasks", type=_str_list, default=None,
+                   help="ruler: tasks, comma list of single, multikey, multivalue, multiquery, aggregate (default all)")
+    p.add_argument("--residencies", type=_int_list, default=None,
+                   help="ruler: pools of context/N for the needle tasks, comma list of N (default 8,16,32)")
+    p.add_argument("--aggregate-residencies", type=_int_list, default=None,
+                   help="ruler: the same for the aggregation guard (default 4,8)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="ruler: kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
+    p.add_argument("--log", dest="ruler_log", default=None,
+                   help="ruler: the trial log; trials already in it are not run again (default <out>/trials.jsonl)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -179,7 +197,8 @@ def config_for(args, routine: str) -> BenchConfig:
     for src in (preset.get("*", {}), preset.get(routine, {})):
         for k, v in src.items():
             setattr(cfg, k, copy.deepcopy(v))
-    cfg.model = args.model
+    if args.model is not None:
+        cfg.model = args.model
     cfg.threads = args.threads
     cfg.kv_type = args.kv_type
     if args.policy is not None:
@@ -201,7 +220,9 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("memory_cells", "memory_cells"), ("needle_full", "needle_full"),
                     ("tail_chunks", "tail_chunks"), ("clients", "clients"), ("parallel", "parallel"),
                     ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens"),
-                    ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads")]:
+                    ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads"), ("tasks", "ruler_tasks"),
+                    ("residencies", "ruler_residencies"), ("aggregate_residencies", "ruler_aggregate_residencies"),
+                    ("chunk_tokens", "chunk_tokens"), ("ruler_log", "ruler_log")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -221,9 +242,18 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     bad_t = [t for t in (args.kv_types or []) if t not in ("f16", "q8_0", "q4_0")]
     if bad_t or (args.kv_types is not None and not args.kv_types):
         p.error(f"--kv-types: use f16, q8_0, q4_0 (got {args.kv_types})")
-    bad_h = [h for h in (args.haystacks or []) if h not in ("prose", "ledger")]
+    hay_ok = ("filler", "ledger") if args.routine == "ruler" else ("prose", "ledger")
+    bad_h = [h for h in (args.haystacks or []) if h not in hay_ok]
     if bad_h or (args.haystacks is not None and not args.haystacks):
-        p.error(f"--haystacks: use prose, ledger (got {args.haystacks})")
+        p.error(f"--haystacks: use {', '.join(hay_ok)} (got {args.haystacks})")
+    from .ruler import TASKS
+    bad_k = [t for t in (args.tasks or []) if t not in TASKS]
+    if bad_k or (args.tasks is not None and not args.tasks):
+        p.error(f"--tasks: use {', '.join(TASKS)} (got {args.tasks})")
+    if args.chunk_tokens is not None and (args.chunk_tokens < 1 or (256 % args.chunk_tokens and args.chunk_tokens % 256)):
+        p.error(f"--chunk-tokens must divide 256 or be a multiple of it, got {args.chunk_tokens}")
+    if args.routine == "ruler" and args.split == "tuning-indirect":
+        p.error("ruler: --split is tuning or reporting")
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")
@@ -252,6 +282,9 @@ def main(argv: Optional[list] = None) -> int:
     from .routines import ROUTINES
     names = ALL_ORDER if args.routine == "all" else [args.routine]
     cfgs = [config_for(args, n) for n in names]
+    for c in cfgs:
+        if c.routine == "ruler" and c.ruler_log is None and args.out:
+            c.ruler_log = str(args.out / "trials.jsonl")
     quiet = cfgs[0].quiet
     t0 = time.perf_counter()
     machine = machine_info()

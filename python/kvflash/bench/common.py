@@ -56,6 +56,12 @@ class BenchConfig:
     client_tokens: int = 32            # serve: tokens each concurrent client asks for
     attn_kv_types: list = dataclasses.field(default_factory=lambda: ["q8_0"])   # attention: KV types
     attn_threads: list = dataclasses.field(default_factory=lambda: [1, 2])      # attention: thread counts
+    ruler_tasks: list = dataclasses.field(default_factory=lambda: ["single", "multikey", "multivalue", "multiquery",
+                                                                   "aggregate"])     # ruler: tasks
+    ruler_residencies: list = dataclasses.field(default_factory=lambda: [8, 16, 32])  # ruler: pool = context / N
+    ruler_aggregate_residencies: list = dataclasses.field(default_factory=lambda: [4, 8])  # ruler: the guard's
+    chunk_tokens: Optional[int] = None     # ruler: kvflash sessions' chunk (None: the Session's default, 64)
+    ruler_log: Optional[str] = None        # ruler: the trial log that resumes a run (default <out>/trials.jsonl)
     seed: int = 1234
     quiet: bool = False
 

@@ -71,6 +71,20 @@ class Trial:
     needle_token: int  # approximate token position of the needle
 
 
+def sentence_units(text: str) -> list:
+    """A haystack cut into the units a needle may be placed between: sentences (each with its trailing
+    space), and section titles (a paragraph without a full stop) kept on a line of their own."""
+    sents: list[str] = []
+    for p in (p.strip() for p in text.split("\n\n")):
+        if not p:
+            continue
+        if "." not in p and "?" not in p:   # a section title: keep as its own line
+            sents.append("\n\n" + p + "\n\n")
+            continue
+        sents.extend(x + " " for x in re.split(r"(?<=[.?!])\s+", p) if x)
+    return sents
+
+
 class NeedleBuilder:
     """Builds prompts for one tokenizer; sentences are tokenized once and reused across contexts."""
 
@@ -86,14 +100,7 @@ class NeedleBuilder:
         self.split, self.haystack = split, haystack
         self.wordings = {"tuning": TUNING_WORDINGS, "tuning-indirect": TUNING_INDIRECT_WORDINGS,
                          "reporting": REPORTING_WORDINGS}[split]
-        text = HAYSTACKS[haystack]()
-        paras = [p.strip() for p in text.split("\n\n") if p.strip()]
-        sents: list[str] = []
-        for p in paras:
-            if "." not in p and "?" not in p:   # a section title: keep as its own line
-                sents.append("\n\n" + p + "\n\n")
-                continue
-            sents.extend(x + " " for x in re.split(r"(?<=[.?!])\s+", p) if x)
+        sents = sentence_units(HAYSTACKS[haystack]())
         self.sents = sents
         self.lens = [len(session.tokenize(x, add_special=False)) for x in sents]
 

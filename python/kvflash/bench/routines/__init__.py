@@ -14,10 +14,11 @@ from .paging import run_paging
 from .prefill import run_prefill
 from .recall import run_needle
 from .rescore import run_rescore
+from .ruler import run_ruler
 from .serve import run_serve
 from .snapshot import run_snapshot
 
 ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
             "snapshot": run_snapshot, "serve": run_serve,
-            "attention": run_attention}
+            "attention": run_attention, "ruler": run_ruler}
