@@ -7,7 +7,9 @@ Each --build NAME=PYTHON starts one worker process with that interpreter (so eac
 kvflash).  A worker prefills one session per context (same model, pool, policy, natural-text tokens)
 and then waits; the driver asks one worker at a time to decode --steps greedy tokens through
 generate() and report the seconds, so no two workers compute at once (ggml's threads would thrash).
-The order of the builds rotates every round.  Naming the same interpreter twice is the A/A control:
+The order of the builds rotates every round.  `--session NAME:KEY=VALUE` gives one build's sessions a
+Session keyword of their own (an integer, e.g. `--session c16:chunk_tokens=16`), so two configurations of
+one install compare the same way.  Naming the same interpreter twice is the A/A control:
 a difference between two builds counts only outside the spread of the control's per-round ratio.
 Prints a table per context (median, min-max tok/s; per-round ratio to the first build) and writes
 --json with every round.
@@ -31,7 +33,8 @@ sys.stdout = sys.stderr          # keep the protocol line-clean
 sess = {}
 for D in cfg["contexts"]:
     s = kvflash.Session(cfg["model"], max_ctx=D + cfg["margin"], kvflash=cfg["pool"], policy=cfg["policy"],
-                        threads=cfg["threads"], allow_long_ctx=True, verbose=False, kv_type=cfg["kv_type"])
+                        threads=cfg["threads"], allow_long_ctx=True, verbose=False, kv_type=cfg["kv_type"],
+                        **cfg["session_kw"])
     toks = text_tokens(s, D)
     for i in range(0, D, 512):
         s.prefill(toks[i:i + 512])
@@ -71,6 +74,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-type", default="q8_0", help="the sessions' KV type (f16, q8_0, q4_0)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--session", action="append", default=[],
+                    help="NAME:KEY=VALUE, a Session keyword (integer value) for build NAME's sessions; repeatable")
     ap.add_argument("--floor", action="store_true",
                     help="also time a one-thread read pass per round and print the physical floor per context")
     a = ap.parse_args()
@@ -84,6 +89,16 @@ def main() -> int:
         ap.error("give two or more --build entries with distinct names")
     if a.rounds < 5:
         ap.error("--rounds must be at least 5 (medians over >= 5 repeats)")
+    session_kw: dict = {n: {} for n, _ in builds}
+    for item in a.session:
+        name, sep, kv = item.partition(":")
+        key, sep2, val = kv.partition("=")
+        if not sep or not sep2 or name not in session_kw or not key:
+            ap.error(f"--session takes NAME:KEY=VALUE with NAME a --build name, got {item!r}")
+        try:
+            session_kw[name][key] = int(val)
+        except ValueError:
+            ap.error(f"--session {item!r}: the value must be an integer")
     ctxs = [int(x) for x in a.contexts.split(",")]
     cfg = {"model": a.model, "contexts": ctxs, "pool": a.pool, "policy": a.policy, "threads": a.threads,
            "kv_type": a.kv_type,
@@ -91,7 +106,8 @@ def main() -> int:
     workers = {}
     sizes = {}
     for name, py in builds:   # one prefills at a time: each waits for the previous to be ready
-        p = subprocess.Popen([py, "-c", WORKER, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        p = subprocess.Popen([py, "-c", WORKER, json.dumps({**cfg, "session_kw": session_kw[name]})],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
         t0 = time.perf_counter()
         ready = json.loads(p.stdout.readline())
@@ -144,7 +160,8 @@ def main() -> int:
               f"{min(read_bw) / 2**30:.2f}-{max(read_bw) / 2**30:.2f})")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": {**cfg, "builds": dict(builds), "rounds": a.rounds, "steps": a.steps},
+            json.dump({"config": {**cfg, "builds": dict(builds), "session_kw": session_kw, "rounds": a.rounds,
+                                  "steps": a.steps},
                        "tok_s": {f"{n}@{D}": v for (n, D), v in rates.items()},
                        "read_bytes_per_s": read_bw, "floor_bytes": floor_bytes, "sizes": sizes}, f, indent=1)
     return 0

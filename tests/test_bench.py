@@ -149,6 +149,13 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert cli.main(argv) == 0
         again = json.loads(capsys.readouterr().out)
         assert again["results"][0]["rows"] == rows and len(log.read_text().splitlines()) == 9
+        from kvflash.bench import plots
+        try:
+            plt = plots._plt()
+        except plots.PlotUnavailable:
+            return
+        png = plots._ruler_heatmap(plt, rows, out / "ruler_heatmap.png", "")
+        assert png.stat().st_size > 1000
     if routine == "serve":
         res = data["results"][0]
         rows = res["rows"]

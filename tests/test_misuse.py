@@ -766,3 +766,25 @@ def test_model_ids_without_text_are_never_sampled_from_the_file(tmp_path):
         text = "".join(s.generate(max_tokens=30, ignore_eos=True, **kw))
         assert isinstance(text, str)
     assert s.n_past == len(s.tokens) and all(t < 266 for t in s.tokens)
+
+
+def test_prefill_piece_is_checked_and_cuts_a_pooled_prompt(small):
+    """prefill_piece must be a whole number of chunks that fits the pool's evictable room; with it a prompt
+    past the pool is evaluated that many tokens at a time and stays usable (the pager's invariants hold)."""
+    import kvflash
+    kw = dict(max_ctx=2048, kvflash=256, policy="lru", threads=1, verbose=False, chunk_tokens=16)
+    for bad in (0, 24, -16, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_piece must be a positive multiple"):
+            kvflash.Session(small, prefill_piece=bad, **kw)
+    with pytest.raises(ValueError, match="evictable room of 160"):   # 256 - (1 + 4 + 1) x 16
+        kvflash.Session(small, prefill_piece=176, **kw)
+    ids = [5 + i % 250 for i in range(1200)]
+    a = kvflash.Session(small, prefill_piece=64, **kw)
+    b = kvflash.Session(small, **kw)
+    a.prefill(ids)
+    b.prefill(ids)
+    a.pager.check_invariants()
+    assert a.n_past == b.n_past == len(ids) and a.pager.stats["host_chunks"] > 0
+    # the pieces differ (64 tokens against one chunk), so what each token attended to differs
+    assert not np.array_equal(a.logits(), b.logits())
+    assert len(list(a.generate(None, max_tokens=4, temperature=0.0, ignore_eos=True))) == 4

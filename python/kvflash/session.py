@@ -164,7 +164,7 @@ class Session:
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
                  ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
-                 max_host_bytes: Optional[int] = None):
+                 max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -216,6 +216,17 @@ class Session:
         self.policy = self._make_policy(policy, drafter)
 
         pool = self._pool_tokens(kvflash, kv_type, chunk_tokens, sink_chunks, tail_window_chunks)
+        # prefill_piece: the tokens a prompt's eval takes at a time once the pool is full (None: one chunk).
+        # It changes how a prompt is cut, not what a snapshot holds, so it is not part of _config.
+        if prefill_piece is not None:
+            room = pool - (sink_chunks + tail_window_chunks + 1) * chunk_tokens
+            if (not isinstance(prefill_piece, int) or isinstance(prefill_piece, bool) or prefill_piece < 1
+                    or prefill_piece % chunk_tokens):
+                raise ValueError(f"prefill_piece must be a positive multiple of chunk_tokens ({chunk_tokens}), "
+                                 f"got {prefill_piece!r}")
+            if pool > 0 and prefill_piece > room:
+                raise ValueError(f"prefill_piece {prefill_piece} does not fit the pool's evictable room of {room} "
+                                 f"tokens (pool minus sink, tail window and the open chunk)")
         # the queries the policy scores with (qk: n_queries + contrast), captured by the runtime
         self._n_capture = int(getattr(self.policy, "n_capture", getattr(self.policy, "n_queries", 1)))
         self.runtime = _core.Runtime(self.model, max_ctx=max_ctx, pool_tokens=pool, kv_type=kv_type,
@@ -224,7 +235,7 @@ class Session:
                                      host_path=None if host_path is None else str(host_path),
                                      seed=0 if seed is None else int(seed), max_host_bytes=max_host_bytes or 0,
                                      chunk_summaries=bool(getattr(self.policy, "needs_chunk_summaries", False)),
-                                     capture_queries=self._n_capture)
+                                     capture_queries=self._n_capture, prefill_piece=prefill_piece or 0)
         if self.tokenizer.n_vocab < hp["n_vocab"]:
             # Padded embedding rows (ids the tokenizer has no text for): never sample them,
             # or the stream would meet an id it cannot decode.

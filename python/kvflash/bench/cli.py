@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ruler: the same for the aggregation guard (default 4,8)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="ruler: kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
+    p.add_argument("--prefill-piece", type=int, default=None,
+                   help="ruler: tokens a pooled prefill evaluates at a time once the pool is full, a multiple of "
+                        "the chunk (default: one chunk)")
     p.add_argument("--log", dest="ruler_log", default=None,
                    help="ruler: the trial log; trials already in it are not run again (default <out>/trials.jsonl)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
@@ -222,7 +225,7 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens"),
                     ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads"), ("tasks", "ruler_tasks"),
                     ("residencies", "ruler_residencies"), ("aggregate_residencies", "ruler_aggregate_residencies"),
-                    ("chunk_tokens", "chunk_tokens"), ("ruler_log", "ruler_log")]:
+                    ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)

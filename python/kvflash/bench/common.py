@@ -61,6 +61,7 @@ class BenchConfig:
     ruler_residencies: list = dataclasses.field(default_factory=lambda: [8, 16, 32])  # ruler: pool = context / N
     ruler_aggregate_residencies: list = dataclasses.field(default_factory=lambda: [4, 8])  # ruler: the guard's
     chunk_tokens: Optional[int] = None     # ruler: kvflash sessions' chunk (None: the Session's default, 64)
+    prefill_piece: Optional[int] = None    # ruler: kvflash sessions' prefill piece once the pool is full (None: a chunk)
     ruler_log: Optional[str] = None        # ruler: the trial log that resumes a run (default <out>/trials.jsonl)
     seed: int = 1234
     quiet: bool = False

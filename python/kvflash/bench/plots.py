@@ -135,4 +135,41 @@ def plot_all(results: list, folder: Path, title_suffix: str = "") -> list:
         axes[0][0].set_ylabel("needle depth")
         fig.suptitle("Needle recall" + title_suffix, fontsize=10)
         written.append(_save(plt, fig, folder / "needle_heatmap.png"))
+
+    # ruler heat map: (task, policy) x (context, residency), coloured by the share of the full cache's score
+    src = by.get("ruler")
+    if src is not None and src.rows:
+        written.append(_ruler_heatmap(plt, src.rows, folder / "ruler_heatmap.png", title_suffix))
     return written
+
+
+def _ruler_heatmap(plt, rows: list, path: Path, title_suffix: str) -> Path:
+    import numpy as np
+    ys, xs = [], []
+    for r in rows:
+        if r["policy"] == "full":
+            continue
+        y, x = (r["task"], r["policy"]), (r["context"], r["residency"])
+        if y not in ys:
+            ys.append(y)
+        if x not in xs:
+            xs.append(x)
+    xs.sort(key=lambda x: (x[0], int(x[1].split("/")[1])))
+    grid = np.full((len(ys), len(xs)), np.nan)
+    txt = [["" for _ in xs] for _ in ys]
+    for r in rows:
+        if r["policy"] == "full":
+            continue
+        i, j = ys.index((r["task"], r["policy"])), xs.index((r["context"], r["residency"]))
+        grid[i, j] = min(1.0, r["score"] / r["full"]) if r["full"] else np.nan
+        txt[i][j] = f"{r['score']:.0f}/{r['full']:.0f}"
+    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(xs), 1.2 + 0.32 * len(ys)))
+    ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            ax.text(j, i, txt[i][j], ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(xs)), [f"{ctx_label(c)} {res}" for c, res in xs], fontsize=8)
+    ax.set_yticks(range(len(ys)), [f"{t} {p}" for t, p in ys], fontsize=8)
+    ax.set_xlabel("context, residency (pool / context)")
+    ax.set_title("RULER-style score % / full cache's % (colour: share of full)" + title_suffix, fontsize=9)
+    return _save(plt, fig, path)

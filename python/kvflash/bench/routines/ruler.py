@@ -51,7 +51,8 @@ def _load_log(path: Optional[Path], cfg: BenchConfig) -> dict:
             if not line:
                 continue
             rec = json.loads(line)
-            if rec.get("identity") == want:
+            have = rec.get("identity") or {}
+            if all(have.get(k) == v for k, v in want.items()):   # a setting added later reads as its default
                 done[rec["key"]] = rec
     return done
 
@@ -60,6 +61,7 @@ def _log_identity(cfg: BenchConfig) -> dict:
     """What must match for a logged trial to be reused: everything that changes a prompt or an answer."""
     return {"model": cfg.model, "kv_type": cfg.kv_type, "split": cfg.split, "seed": cfg.seed,
             "chunk_tokens": cfg.chunk_tokens, "tail_chunks": cfg.tail_chunks, "drafter": cfg.drafter,
+            "prefill_piece": cfg.prefill_piece,
             "reserve": cfg.answer_tokens}
 
 
@@ -67,6 +69,8 @@ def _geometry(cfg: BenchConfig) -> dict:
     kw = {}
     if cfg.chunk_tokens is not None:
         kw["chunk_tokens"] = cfg.chunk_tokens
+    if cfg.prefill_piece is not None:
+        kw["prefill_piece"] = cfg.prefill_piece
     return kw
 
 
