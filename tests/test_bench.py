@@ -275,6 +275,9 @@ def test_ruler_prompts(tiny):
                     assert len(t.values) == n_values[task] and len(set(t.values)) == len(t.values)
                     for v in t.values:
                         assert text.count(v) == 1, (task, hay, v)
+                    # each value's needle sentence (its key and its value) is in the prompt
+                    assert len(t.needles) == len(t.values) and all(v in n and n in text
+                                                                   for v, n in zip(t.values, t.needles))
                     body = text[:text.rindex("\n\n")]
                     at = body.index(t.values[0]) / len(body)
                     assert abs(100 * at - t.depth) < 20, (task, hay, t.depth, at)   # a sentence is ~7% here

@@ -116,6 +116,7 @@ class RulerTrial:
     values: list           # every string the answer must hold
     ids: list              # the prompt, answer prefix included
     answer_tokens: int     # tokens the answer may take
+    needles: list = dataclasses.field(default_factory=list)   # the sentence holding each value (key and value)
 
 
 class RulerBuilder:
@@ -217,7 +218,8 @@ class RulerBuilder:
             prefix = w["p2"].format(kinds=nouns, key=qkeys[0], key2=qkeys[1])
             answer = 12 * N_QUERIES
         ids = self._compose(rng, sents, lens, inserts, question, prefix, n_tokens)
-        return RulerTrial(task, haystack, i, kind, depth, values, ids, answer)
+        return RulerTrial(task, haystack, i, kind, depth, values, ids, answer,
+                          needles=[t for _, t in inserts[:len(values)]])
 
     def _compose(self, rng, sents, lens, inserts, question, prefix, n_tokens) -> list:
         """Haystack sentences from a random start, each insert placed after the sentence where the running

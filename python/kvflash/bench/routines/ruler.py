@@ -93,12 +93,12 @@ def _answer(s, n_tokens: int) -> tuple:
     return text, time.perf_counter() - t0
 
 
-def _needed(s, ids: list, values: list, last_scores) -> dict:
-    """Where the chunks holding the expected values stand: kept (all resident), ranks under the prompt's
-    rescore (worst chunk of each value; -1: protected), free slots."""
+def _needed(s, ids: list, needles: list, last_scores) -> dict:
+    """Where the chunks holding each expected value's whole needle (its key and its value) stand: kept (all
+    resident), ranks under the prompt's rescore (the worst chunk of each needle; -1: protected), free slots."""
     table = s.pager.chunk_table()
     blocks, prot = table["block"], table["protected"]
-    per_value = [passkey_chunks(s, ids, v) for v in values]
+    per_value = [passkey_chunks(s, ids, x) for x in needles]
     kept = [bool(cs) and all(bool(blocks[c] >= 0) for c in cs) for cs in per_value]
     ranks = None
     if last_scores is not None:
@@ -191,7 +191,8 @@ def run_ruler(cfg: BenchConfig) -> Result:
                                 if task == "aggregate":   # every occurrence counts: no chunk holds "the" value
                                     where = {"kept": None, "ranks": None, "chunks": None, "free_slots": None}
                                 else:
-                                    where = _needed(s, tr.ids, tr.values, s.last_scores if name != "lru" else None)
+                                    where = _needed(s, tr.ids, tr.needles,
+                                                    s.last_scores if name != "lru" else None)
                                 n0 = s.n_past
                                 ans, dt = _answer(s, tr.answer_tokens)
                                 ntok = s.n_past - n0
@@ -234,9 +235,10 @@ def run_ruler(cfg: BenchConfig) -> Result:
         "one pooled prefill per trial and residency (under LRU: a prefill does not depend on the policy), "
         "restored from a snapshot for each policy, which then rescores and re-reads the prompt's tail as "
         "Session.prefill does",
-        "needed chunks kept: trials whose chunks holding every expected value were resident after the prompt's "
-        "rescore; worst needed rank: per trial the worst rank (0 = best, p = protected) of a chunk holding an "
-        "expected value under the prompt's rescore, against the free slots (kept when rank < free slots)",
+        "needed chunks kept: trials whose chunks holding every expected value's needle sentence (its key and "
+        "its value) were resident after the prompt's rescore; worst needed rank: per trial the worst rank "
+        "(0 = best, p = protected) of such a chunk under the prompt's rescore, against the free slots (kept "
+        "when rank < free slots)",
         "prompt rescore ms: the policy's scoring of the prompt (median); ms/token: the answer's decode"]
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
