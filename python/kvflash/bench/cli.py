@@ -176,10 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregate-residencies", type=_int_list, default=None,
                    help="ruler: the same for the aggregation guard (default 4,8)")
     p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="ruler: kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
+                   help="kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
     p.add_argument("--prefill-piece", type=int, default=None,
-                   help="ruler: tokens a pooled prefill evaluates at a time once the pool is full, a multiple of "
-                        "the chunk (default: one chunk)")
+                   help="kvflash sessions: tokens a pooled prefill evaluates at a time once the pool is full, a "
+                        "multiple of the chunk (default: one chunk)")
     p.add_argument("--log", dest="ruler_log", default=None,
                    help="ruler: the trial log; trials already in it are not run again (default <out>/trials.jsonl)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")

@@ -60,8 +60,8 @@ class BenchConfig:
                                                                    "aggregate"])     # ruler: tasks
     ruler_residencies: list = dataclasses.field(default_factory=lambda: [8, 16, 32])  # ruler: pool = context / N
     ruler_aggregate_residencies: list = dataclasses.field(default_factory=lambda: [4, 8])  # ruler: the guard's
-    chunk_tokens: Optional[int] = None     # ruler: kvflash sessions' chunk (None: the Session's default, 64)
-    prefill_piece: Optional[int] = None    # ruler: kvflash sessions' prefill piece once the pool is full (None: a chunk)
+    chunk_tokens: Optional[int] = None     # kvflash sessions' chunk (None: the Session's default, 64)
+    prefill_piece: Optional[int] = None    # kvflash sessions' prefill piece once the pool is full (None: a chunk)
     ruler_log: Optional[str] = None        # ruler: the trial log that resumes a run (default <out>/trials.jsonl)
     seed: int = 1234
     quiet: bool = False
@@ -276,6 +276,10 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         kw["policy"] = policy
         if cfg.tail_chunks is not None:
             kw["tail_window_chunks"] = cfg.tail_chunks
+        if cfg.chunk_tokens is not None:
+            kw["chunk_tokens"] = cfg.chunk_tokens
+        if cfg.prefill_piece is not None:
+            kw["prefill_piece"] = cfg.prefill_piece
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

@@ -65,15 +65,6 @@ def _log_identity(cfg: BenchConfig) -> dict:
             "reserve": cfg.answer_tokens}
 
 
-def _geometry(cfg: BenchConfig) -> dict:
-    kw = {}
-    if cfg.chunk_tokens is not None:
-        kw["chunk_tokens"] = cfg.chunk_tokens
-    if cfg.prefill_piece is not None:
-        kw["prefill_piece"] = cfg.prefill_piece
-    return kw
-
-
 def _drafter(cfg: BenchConfig):
     """The drafter policy object shared by every residency (None: no drafter, with the reason)."""
     from kvflash.models import resolve_model
@@ -143,7 +134,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                     na[r] = f"pool {pool} is below the floor {floor} (chunk {cfg.chunk_tokens or 64})"
                     continue
                 try:
-                    s = open_session(cfg, max_ctx=D, pool=pool, policy="qk", **_geometry(cfg))
+                    s = open_session(cfg, max_ctx=D, pool=pool, policy="qk")
                 except (Unavailable, ValueError) as e:
                     na[r] = str(e)
                     continue
