@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
     ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
-               "--chunk-tokens", "16", "--policies", "lru,qk,drafter", "--haystacks", "filler,ledger",
+               "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
                "--split", "tuning"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
@@ -132,14 +132,15 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         tasks = ["single", "multikey", "multivalue", "multiquery", "aggregate"]
         # per task: the full cache, then each policy at 1/4 (pool 256 = 16 chunks of 16)
         assert [(r["task"], r["policy"]) for r in rows] == [(t, p) for t in tasks
-                                                            for p in ("full", "lru", "qk", "drafter")], rows
+                                                            for p in ("full", "lru", "qk", "drafter",
+                                                                      "qk:q16:c0")], rows
         for r in rows:
             n = 1 if r["task"] == "aggregate" else 2   # one trial per haystack
             first = next(x for x in rows if x["task"] == r["task"])   # the task's full-cache row
             assert r["trials"] == n and 0 <= r["score"] <= 100 and r["full"] == first["score"], r
             if r["policy"] != "full":
                 assert r["pool"] == 256 and r["residency"] == "1/4", r
-            if r["policy"] in ("qk", "drafter") and r["task"] != "aggregate":
+            if r["policy"] in ("qk", "drafter", "qk:q16:c0") and r["task"] != "aggregate":
                 assert r["ranks"].endswith("(10)"), r   # 16 chunks - sink - 4 tail - the open one
         assert any("16 chunks of 16" in n for n in res["notes"]) and any("TUNING data" in n for n in res["notes"])
         log = out / "trials.jsonl"
@@ -192,6 +193,12 @@ def test_bad_arguments_are_clear(tiny, capsys):
     with pytest.raises(SystemExit):
         cli.main(["needle", "--policies", "nope"])
     assert "unknown" in capsys.readouterr().err
+    for bad in (["ruler", "--policies", "qk:x3"], ["ruler", "--policies", "qk:q0"], ["needle", "--policies", "qk:q8"],
+                ["ruler", "--tasks", "single,nope"], ["ruler", "--haystacks", "prose"], ["ruler", "--chunk-tokens", "48"],
+                ["ruler", "--split", "tuning-indirect"]):
+        with pytest.raises(SystemExit):
+            cli.main(bad)
+        assert "error" in capsys.readouterr().err, bad
 
 
 def test_needle_splits_are_disjoint(tiny):

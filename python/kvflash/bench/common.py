@@ -296,7 +296,7 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         if "not available" in msg or "unknown policy" in msg:
             raise Unavailable(msg) from None
         raise
-    s.bench_fallback = pool is not None and policy != s.policy.name
+    s.bench_fallback = pool is not None and isinstance(policy, str) and policy != s.policy.name
     return s
 
 

@@ -65,6 +65,30 @@ def _log_identity(cfg: BenchConfig) -> dict:
             "reserve": cfg.answer_tokens}
 
 
+_QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry"}
+
+
+def qk_variant(name: str, check: bool = False):
+    """A qk policy with its own settings, named ``qk:q16:c64:s4:k16`` (any of q = n_queries, c = contrast,
+    s = spread, k = carry; the rest at qk's defaults), for comparing settings in one run on one prefill.
+    check=True: True when the name parses, False otherwise."""
+    from kvflash.scoring import QKPolicy
+    kw = {}
+    try:
+        for part in name.split(":")[1:]:
+            kw[_QK_KEYS[part[0]]] = int(part[1:])
+        pol = QKPolicy(**kw)
+    except (KeyError, ValueError, IndexError):
+        if check:
+            return False
+        raise ValueError(f"qk variant {name!r}: use qk:q16:c64:s4:k16 (q n_queries, c contrast, s spread, "
+                         f"k carry; integers)") from None
+    if check:
+        return True
+    pol.name = name
+    return pol
+
+
 def _drafter(cfg: BenchConfig):
     """The drafter policy object shared by every residency (None: no drafter, with the reason)."""
     from kvflash.models import resolve_model
@@ -103,6 +127,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
     """RULER-style tasks x residency x policy on one split, the full cache's score beside each cell."""
     from kvflash import _core
     from kvflash.policies import LRUPolicy
+    from kvflash.scoring import QKPolicy
 
     ctxs = sorted(set(cfg.contexts))
     tasks = list(cfg.ruler_tasks)
@@ -133,12 +158,15 @@ def run_ruler(cfg: BenchConfig) -> Result:
                 if pool < floor or pool % (cfg.chunk_tokens or 64):
                     na[r] = f"pool {pool} is below the floor {floor} (chunk {cfg.chunk_tokens or 64})"
                     continue
-                try:
-                    s = open_session(cfg, max_ctx=D, pool=pool, policy="qk")
+                pols = {"lru": LRUPolicy(), "qk": QKPolicy(), "drafter": drafter}
+                pols.update({v: qk_variant(v) for v in policies if v.startswith("qk:")})
+                widest = max((p for p in pols.values() if isinstance(p, QKPolicy)), key=lambda p: p.n_capture)
+                try:   # the session captures the widest window any qk setting reads (each takes its tail)
+                    s = open_session(cfg, max_ctx=D, pool=pool, policy=widest)
                 except (Unavailable, ValueError) as e:
                     na[r] = str(e)
                     continue
-                sess[r] = (s, {"lru": LRUPolicy(), "qk": s.policy, "drafter": drafter})
+                sess[r] = (s, pols)
             builder = RulerBuilder(full, cfg.seed, split=cfg.split)
             for task in tasks:
                 for hay in (["list"] if task == "aggregate" else hays):
