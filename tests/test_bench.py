@@ -150,6 +150,9 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert cli.main(argv) == 0
         again = json.loads(capsys.readouterr().out)
         assert again["results"][0]["rows"] == rows and len(log.read_text().splitlines()) == 9
+        # the table from the log alone: the same rows, nothing measured
+        assert cli.main(argv + ["--logged-only"]) == 0
+        assert json.loads(capsys.readouterr().out)["results"][0]["rows"] == rows
         from kvflash.bench import plots
         try:
             plt = plots._plt()

@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-piece", type=int, default=None,
                    help="kvflash sessions: tokens a pooled prefill evaluates at a time once the pool is full, a "
                         "multiple of the chunk (default: one chunk)")
+    p.add_argument("--logged-only", dest="ruler_logged_only", action="store_true", default=None,
+                   help="ruler: build the table from the trials already in the log; measure nothing")
     p.add_argument("--log", dest="ruler_log", default=None,
                    help="ruler: the trial log; trials already in it are not run again (default <out>/trials.jsonl)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
@@ -225,7 +227,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens"),
                     ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads"), ("tasks", "ruler_tasks"),
                     ("residencies", "ruler_residencies"), ("aggregate_residencies", "ruler_aggregate_residencies"),
-                    ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log")]:
+                    ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log"),
+                    ("ruler_logged_only", "ruler_logged_only")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -257,6 +260,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--chunk-tokens must divide 256 or be a multiple of it, got {args.chunk_tokens}")
     if args.routine == "ruler" and args.split == "tuning-indirect":
         p.error("ruler: --split is tuning or reporting")
+    if args.ruler_logged_only and not (args.ruler_log or args.out):
+        p.error("--logged-only needs the log: --log FILE or --out DIR (its trials.jsonl)")
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")

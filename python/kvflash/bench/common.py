@@ -63,6 +63,7 @@ class BenchConfig:
     chunk_tokens: Optional[int] = None     # kvflash sessions' chunk (None: the Session's default, 64)
     prefill_piece: Optional[int] = None    # kvflash sessions' prefill piece once the pool is full (None: a chunk)
     ruler_log: Optional[str] = None        # ruler: the trial log that resumes a run (default <out>/trials.jsonl)
+    ruler_logged_only: bool = False        # ruler: the table from the log alone, nothing measured
     seed: int = 1234
     quiet: bool = False
 

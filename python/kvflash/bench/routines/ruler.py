@@ -150,6 +150,10 @@ def run_ruler(cfg: BenchConfig) -> Result:
     with Progress(n_trials, "ruler", cfg.quiet) as pb:
         for D in ctxs:
             reserve = cfg.answer_tokens
+            if cfg.ruler_logged_only:
+                pb.advance(sum(cfg.needles * (1 if t == "aggregate" else len(hays)) for t in tasks),
+                           note=f"{ctx_label(D)}: from the log")
+                continue
             denoms = sorted({r for t in tasks for r in _residencies(cfg, t)})
             full = open_session(cfg, max_ctx=D, pool=None)
             sess, na = {}, {}
