@@ -20,7 +20,7 @@ def tiny(tmp_path_factory):
     ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk,qk-bound"]),
     ("needle", ["--contexts", "1024", "--needles", "1", "--policies", "qk", "--no-full", "--tail-chunks", "2",
                 "--haystacks", "prose"]),
-    ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter"]),
+    ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter,qk:q16:c64"]),
     ("ab", ["--contexts", "1024", "--needles", "2", "--steps", "4", "--policy", "qk"]),
     ("memory", ["--contexts", "2048"]),
     ("memory", ["--contexts", "1024", "--prefill", "--cells", "ram,file"]),
@@ -96,7 +96,7 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert "x (" in ctl["speed_ratio"]
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "rescore":
-        assert "drafter" in text and "qk" in text
+        assert "drafter" in text and "qk" in text and "qk:q16:c64" in text
     if routine == "attention":
         rows = data["results"][0]["rows"]
         # q8_0: every kernel per thread count (with the tiled one: tiled f32, rows f32, tiled int8); f16: rows
@@ -196,7 +196,7 @@ def test_bad_arguments_are_clear(tiny, capsys):
     with pytest.raises(SystemExit):
         cli.main(["needle", "--policies", "nope"])
     assert "unknown" in capsys.readouterr().err
-    for bad in (["ruler", "--policies", "qk:x3"], ["ruler", "--policies", "qk:q0"], ["needle", "--policies", "qk:q8"],
+    for bad in (["ruler", "--policies", "qk:x3"], ["ruler", "--policies", "qk:q0"], ["needle", "--policies", "qk:q"],
                 ["ruler", "--tasks", "single,nope"], ["ruler", "--haystacks", "prose"], ["ruler", "--chunk-tokens", "48"],
                 ["ruler", "--split", "tuning-indirect"]):
         with pytest.raises(SystemExit):

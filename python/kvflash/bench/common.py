@@ -260,6 +260,31 @@ def model_label(model: str) -> str:
     return Path(model).stem if os.sep in model or model.endswith(".gguf") else model
 
 
+_QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry"}
+
+
+def qk_variant(name: str, check: bool = False):
+    """A qk policy with its own settings, named ``qk:q16:c64:s4:k16`` (any of q = n_queries, c = contrast,
+    s = spread, k = carry; the rest at qk's defaults), for comparing settings in one run on one prefill.
+    check=True: True when the name parses, False otherwise."""
+    from kvflash.scoring import QKPolicy
+    kw = {}
+    try:
+        for part in name.split(":")[1:]:
+            kw[_QK_KEYS[part[0]]] = int(part[1:])
+        pol = QKPolicy(**kw)
+    except (KeyError, ValueError, IndexError):
+        if check:
+            return False
+        raise ValueError(f"qk variant {name!r}: use qk:q16:c64:s4:k16 (q n_queries, c contrast, s spread, "
+                         f"k carry; integers)") from None
+    if check:
+        return True
+    pol.name = name
+    return pol
+
+
+
 def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy: str = "lru", **session_kw):
     """A Session for one mode: pool=None is the full cache.  Raises Unavailable with the reason
     for policies this build lacks; a drafter that falls back to LRU is returned with .fallback set.
@@ -274,7 +299,7 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
     if pool is None:
         kw["policy"] = "lru"
     else:
-        kw["policy"] = policy
+        kw["policy"] = qk_variant(policy) if isinstance(policy, str) and policy.startswith("qk:") else policy
         if cfg.tail_chunks is not None:
             kw["tail_window_chunks"] = cfg.tail_chunks
         if cfg.chunk_tokens is not None:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session
+from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session, qk_variant
 from ..report import Result
 from ..ruler import NEEDLE_TASKS, RulerBuilder, score
 from ._shared import BASE_COLS, _base, _long_note, passkey_chunks, rank_of
@@ -63,30 +63,6 @@ def _log_identity(cfg: BenchConfig) -> dict:
             "chunk_tokens": cfg.chunk_tokens, "tail_chunks": cfg.tail_chunks, "drafter": cfg.drafter,
             "prefill_piece": cfg.prefill_piece,
             "reserve": cfg.answer_tokens}
-
-
-_QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry"}
-
-
-def qk_variant(name: str, check: bool = False):
-    """A qk policy with its own settings, named ``qk:q16:c64:s4:k16`` (any of q = n_queries, c = contrast,
-    s = spread, k = carry; the rest at qk's defaults), for comparing settings in one run on one prefill.
-    check=True: True when the name parses, False otherwise."""
-    from kvflash.scoring import QKPolicy
-    kw = {}
-    try:
-        for part in name.split(":")[1:]:
-            kw[_QK_KEYS[part[0]]] = int(part[1:])
-        pol = QKPolicy(**kw)
-    except (KeyError, ValueError, IndexError):
-        if check:
-            return False
-        raise ValueError(f"qk variant {name!r}: use qk:q16:c64:s4:k16 (q n_queries, c contrast, s spread, "
-                         f"k carry; integers)") from None
-    if check:
-        return True
-    pol.name = name
-    return pol
 
 
 def _drafter(cfg: BenchConfig):
