@@ -171,5 +171,6 @@ def _ruler_heatmap(plt, rows: list, path: Path, title_suffix: str) -> Path:
     ax.set_xticks(range(len(xs)), [f"{ctx_label(c)} {res}" for c, res in xs], fontsize=8)
     ax.set_yticks(range(len(ys)), [f"{t} {p}" for t, p in ys], fontsize=8)
     ax.set_xlabel("context, residency (pool / context)")
-    ax.set_title("RULER-style score % / full cache's % (colour: share of full)" + title_suffix, fontsize=9)
+    ax.set_title("RULER-style score % / full cache's %\n(colour: share of full)" + title_suffix.replace(" (", "\n("),
+                 fontsize=8)
     return _save(plt, fig, path)
