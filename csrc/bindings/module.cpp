@@ -111,7 +111,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("pool_attention", [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array k, py::array v,
                                py::array_t<uint8_t, py::array::c_style | py::array::forcecast> visible,
                                const std::string &kv_type, int32_t n_head_kv, float scale, int32_t n_split,
-                               int32_t n_threads, bool quant_dots, bool tiled) {
+                               int32_t n_threads, bool quant_dots, bool tiled, int32_t table_rows) {
         const ggml_type t = kv_type_from_name(kv_type);
         if (q.ndim() != 3) throw std::invalid_argument("pool_attention: q must be [n, n_head, head_dim] float32");
         const int32_t n = int32_t(q.shape(0)), H = int32_t(q.shape(1)), D = int32_t(q.shape(2));
@@ -132,14 +132,15 @@ PYBIND11_MODULE(_core, m) {
         {
             py::gil_scoped_release nogil;
             pool_attention_once(q.data(), n, H, n_head_kv, D, t, kb.data(), vb.data(), n_kv, visible.data(), scale,
-                                n_split, n_threads, quant_dots, out.mutable_data(), tiled);
+                                n_split, n_threads, quant_dots, out.mutable_data(), tiled, table_rows);
         }
         return out;
     }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("visible"), py::arg("kv_type"), py::arg("n_head_kv"),
        py::arg("scale"), py::arg("n_split") = 1, py::arg("n_threads") = 1, py::arg("quant_dots") = false,
-       py::arg("tiled") = true,
+       py::arg("tiled") = true, py::arg("table_rows") = 0,
        "The CPU pool attention op once over these arrays (tests): q [n, H, D] float32, k / v [n_kv, row bytes] rows "
-       "of kv_type, visible [n, n_kv]; returns [n, H, D].");
+       "of kv_type, visible [n, n_kv]; returns [n, H, D].  table_rows > 0: the rows are read through a row table "
+       "of chunks of that many rows, stored out of order (the exact mode's path).");
     m.def("bench_pool_attention", [](int32_t n_kv, int32_t head_dim, int32_t n_head, int32_t n_head_kv,
                                      const std::string &kv_type, int32_t n_threads, int32_t n_layers, int32_t n_queries,
                                      int32_t iters, uint64_t seed, bool quant_dots, bool tiled) {

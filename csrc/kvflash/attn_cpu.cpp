@@ -369,6 +369,24 @@ static row_to_f32 converter(ggml_type t) {
 }
 static constexpr uint16_t kF16NegInf = 0xFC00;
 
+// Where row s of a K or V operand starts: the tensor's own row s, or the row table's.
+struct RowAt {
+    const char *base;
+    size_t nb1;
+    const char *const *chunks = nullptr;
+    int64_t rows = 0;
+    RowAt(const ggml_tensor *t, const RowTable *tab, bool is_k)
+        : base(static_cast<const char *>(t->data)), nb1(t->nb[1]) {
+        if (tab) {
+            chunks = is_k ? tab->k.data() : tab->v.data();
+            rows = tab->chunk_rows;
+        }
+    }
+    const char *operator()(int64_t s) const {
+        return chunks ? chunks[s / rows] + size_t(s % rows) * nb1 : base + size_t(s) * nb1;
+    }
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KVFLASH_TILED_ATTN 1
 // ---- the tiled integer kernel (AVX-512 VNNI; q8_0 / q4_0 K and V)
@@ -510,8 +528,9 @@ static inline void widen_group(__m512i z, float *out) {
 
 static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAttnParams *P) {
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
-    const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = k->ne[1];
+    const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = mask->ne[0];
     const int64_t Hkv = P->n_head_kv, G = H / Hkv, S = P->n_split, R = G * n, nb = D / 32;
+    const RowAt k_at(k, P->rows, true), v_at(v, P->rows, false);
     const int64_t range = (n_kv + S - 1) / S;
     const bool k8 = k->type == GGML_TYPE_Q8_0, v8 = v->type == GGML_TYPE_Q8_0;
     const int64_t kbs = k8 ? 34 : 18, vbs = v8 ? 34 : 18;
@@ -585,8 +604,6 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                                                                   (g * G + hh) * q->nb[1] + i * q->nb[2]);
                 if (int_dots) quantize_query(qv, D, &qs_[r * D], &qd_[r * nb], &qsum_[r * nb]);
             }
-        const char *kbase = static_cast<const char *>(k->data) + g * k_head;
-        const char *vbase = static_cast<const char *>(v->data) + g * v_head;
         // Visible slots come from 32-slot windows of the mask (any query's), taken 16 at a time.
         int64_t win = s0, base = s0;
         uint32_t pend = 0;
@@ -615,9 +632,8 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
             // The first head of a range to pass asks for whole pool rows two tiles ahead (the other heads
             // then find them in L2): K/V arrive from L3 or memory once the weights have swept the caches.
             if (g == 0 || item == it0) {
-                const char *kr0 = static_cast<const char *>(k->data), *vr0 = static_cast<const char *>(v->data);
                 for (int64_t j = int64_t(slot[cnt - 1]) + 1 + kLanes, je = std::min(s1, j + kLanes); j < je; ++j) {
-                    const char *kr = kr0 + j * k->nb[1], *vr = vr0 + j * v->nb[1];
+                    const char *kr = k_at(j), *vr = v_at(j);
                     for (size_t o = 0; o < k_row; o += 64) __builtin_prefetch(kr + o);
                     __builtin_prefetch(kr + k_row - 1);
                     for (size_t o = 0; o < v_row; o += 64) __builtin_prefetch(vr + o);
@@ -629,8 +645,8 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
             const char *krow[kLanes];
             const char *vrow0[kLanes];
             for (int a = 0; a < kLanes; ++a) {
-                krow[a] = kbase + int64_t(slot[a]) * k->nb[1];
-                vrow0[a] = vbase + int64_t(slot[a]) * v->nb[1];
+                krow[a] = k_at(slot[a]) + g * k_head;
+                vrow0[a] = v_at(slot[a]) + g * v_head;
             }
             // K: the transposed tile and the block scales; V: the block scales.
             for (int64_t b = 0; b < nb; ++b) {
@@ -760,7 +776,7 @@ static bool tiled_applies(const PoolAttnParams *P, const ggml_tensor *k, const g
 static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const auto *P = static_cast<const PoolAttnParams *>(ud);
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
-    const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = k->ne[1];
+    const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = mask->ne[0];
 #if defined(KVFLASH_TILED_ATTN)
     if (tiled_applies(P, k, v, D)) return attn_partial_tiled(dst, ith, nth, P);
 #endif
@@ -768,6 +784,7 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const int64_t range = (n_kv + S - 1) / S;
     const row_to_f32 tk = converter(k->type), tv = converter(v->type);
     const size_t k_head = ggml_row_size(k->type, D), v_head = ggml_row_size(v->type, D);
+    const RowAt k_at(k, P->rows, true), v_at(v, P->rows, false);
 
     // q8_0 / q4_0 keys: integer dot products against the quantized queries (see dots_quant)
     const bool int_k = P->quant_dots && (k->type == GGML_TYPE_Q8_0 || k->type == GGML_TYPE_Q4_0) && D % 32 == 0;
@@ -812,8 +829,8 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
             // The next tile's K/V rows of this head, asked for now: the rows are a strided walk (one KV
             // head's bytes out of each pool row) and the compute of one tile hides their latency.
             for (int64_t j = t0 + kTile, je = std::min(s1, t0 + 2 * kTile); j < je; ++j) {
-                const char *kr = static_cast<const char *>(k->data) + j * k->nb[1] + g * k_head;
-                const char *vr = static_cast<const char *>(v->data) + j * v->nb[1] + g * v_head;
+                const char *kr = k_at(j) + g * k_head;
+                const char *vr = v_at(j) + g * v_head;
                 __builtin_prefetch(kr);
                 __builtin_prefetch(kr + k_head - 1);
                 __builtin_prefetch(vr);
@@ -833,10 +850,10 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
             if (nvis == 0) continue;
             for (int a = 0; a < nvis; ++a) {
                 const int64_t s = t0 + vis[a];
-                const char *krow = static_cast<const char *>(k->data) + s * k->nb[1] + g * k_head;
+                const char *krow = k_at(s) + g * k_head;
                 if (int_k) unpack_keys(k->type, reinterpret_cast<const uint8_t *>(krow), nb, &kq[size_t(a) * D], &kd[size_t(a) * nb]);
                 else tk(krow, &Kt[size_t(a) * D], D);
-                tv(static_cast<const char *>(v->data) + s * v->nb[1] + g * v_head, &Vt[size_t(a) * D], D);
+                tv(v_at(s) + g * v_head, &Vt[size_t(a) * D], D);
             }
             for (int64_t i = 0; i < n; ++i) {
                 const auto *mr = reinterpret_cast<const uint16_t *>(static_cast<const char *>(mask->data) + i * mask->nb[1]);
@@ -912,7 +929,9 @@ bool pool_attention_tiled_available() {
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, ggml_tensor *mask,
                                 const PoolAttnParams *params) {
     GGML_ASSERT(q->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F16);
-    GGML_ASSERT(k->ne[1] == mask->ne[0] && v->ne[1] == k->ne[1] && mask->ne[1] >= q->ne[2]);
+    GGML_ASSERT(mask->ne[1] >= q->ne[2]);
+    // With a row table its owner fills it before each compute, covering every attended row.
+    if (!params->rows) GGML_ASSERT(k->ne[1] == mask->ne[0] && v->ne[1] == k->ne[1]);
     const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2];
     ggml_tensor *args[4] = {q, k, v, mask};
     ggml_tensor *part = ggml_custom_4d(ctx, GGML_TYPE_F32, D + 2, H, n, params->n_split, args, 4, attn_partial,
@@ -1041,10 +1060,12 @@ uint64_t read_pass(const std::vector<const uint8_t *> &bufs, size_t bytes_each) 
 
 void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *kd, const uint8_t *vd, int64_t n_kv, const uint8_t *visible, float scale,
-                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled) {
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled,
+                         int32_t table_rows) {
     if (n < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1 || n_kv < 1 || n_split < 1 || n_threads < 1)
         throw std::invalid_argument("pool_attention: need n, heads, head_dim, slots, ranges and threads >= 1 and "
                                     "n_head a multiple of n_head_kv");
+    if (table_rows < 0) throw std::invalid_argument("pool_attention: table_rows must be >= 0 (0: no row table)");
     if (!converter(type)) throw std::invalid_argument("pool_attention: K/V type must be f16, q8_0 or q4_0");
     if ((int64_t(D) * Hkv) % ggml_blck_size(type))
         throw std::invalid_argument("pool_attention: a K/V row is not a whole number of blocks of its type");
@@ -1071,6 +1092,30 @@ void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int
     params.scale = scale;
     params.quant_dots = quant_dots;
     params.tiled = tiled;
+    // The exact mode's path: the same rows scattered into chunks stored in a scrambled order (and
+    // zeroed past n_kv), reached through a table; the op's k / v operands then only carry the widths.
+    RowTable table;
+    std::vector<uint8_t> scattered;
+    if (table_rows > 0) {
+        const int64_t nch = (n_kv + table_rows - 1) / table_rows;
+        const size_t cb = size_t(table_rows) * row;
+        scattered.assign(2 * cb * size_t(nch), 0);
+        table.chunk_rows = table_rows;
+        table.k.resize(nch);
+        table.v.resize(nch);
+        for (int64_t c = 0; c < nch; ++c) {
+            const int64_t at = nch - 1 - c;   // stored in reverse: chunk c's bytes away from c's place
+            uint8_t *kc = scattered.data() + size_t(2 * at) * cb, *vc = kc + cb;
+            const int64_t r0 = c * table_rows, nr = std::min<int64_t>(table_rows, n_kv - r0);
+            std::memcpy(kc, kd + size_t(r0) * row, size_t(nr) * row);
+            std::memcpy(vc, vd + size_t(r0) * row, size_t(nr) * row);
+            table.k[c] = reinterpret_cast<const char *>(kc);
+            table.v[c] = reinterpret_cast<const char *>(vc);
+        }
+        params.rows = &table;
+        std::memset(k->data, 0xAB, ggml_nbytes(k));   // never read through the table path
+        std::memset(v->data, 0xAB, ggml_nbytes(v));
+    }
     ggml_tensor *o = pool_attention_cpu(ctx, q, k, v, mask, &params);
     ggml_cgraph *gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, o);

@@ -19,6 +19,16 @@
 
 namespace kvflash {
 
+// Rows read through a chunk table instead of the stored tensor's own rows (exact mode: one walk
+// over every position of the context, resident rows from the pool, paged-out rows from the host
+// store, in logical order).  Row s of K starts at k[s / chunk_rows] + (s % chunk_rows) * the K
+// tensor's row bytes; V likewise.  Every chunk below n_kv / chunk_rows has an entry (a zeroed
+// stand-in where nothing is written: such rows are masked).
+struct RowTable {
+    std::vector<const char *> k, v;
+    int32_t chunk_rows = 0;
+};
+
 struct PoolAttnParams {
     int32_t n_head_kv = 1;
     int32_t n_split = 1;   // pool ranges (split-K)
@@ -31,6 +41,9 @@ struct PoolAttnParams {
     // The tiled kernel where it applies (q8_0 / q4_0 K and V on AVX-512 VNNI builds); false: the
     // row-at-a-time paths (the bench's and tests' window onto them).
     bool tiled = true;
+    // null: row s is row s of the k / v tensors; else rows come through the table (which must
+    // outlive the graph's computations) and k / v are only the graph's order (the pool's writes).
+    const RowTable *rows = nullptr;
 };
 
 // Whether this build has the tiled kernel for q8_0 / q4_0 K and V (AVX-512 F/BW/VL/VNNI at compile
@@ -38,8 +51,9 @@ struct PoolAttnParams {
 bool pool_attention_tiled_available();
 
 // q:    [D, H, n]      f32, contiguous (post-RoPE)
-// k, v: [D*Hkv, n_kv]  pool rows (views of the stored pool tensors)
-// mask: [n_kv, n]      f16, 0 or -inf
+// k, v: [D*Hkv, n_kv]  pool rows (views of the stored pool tensors); with params->rows, any
+//                      rows of that width (the table supplies n_kv rows)
+// mask: [n_kv, n]      f16, 0 or -inf (its first dimension is n_kv)
 // returns [D, H, n] f32.  params must outlive the graph's computations.
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v,
                                 ggml_tensor *mask, const PoolAttnParams *params);
@@ -69,7 +83,10 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
 // sees the slot), out [n][H][D].  Throws invalid_argument on bad shapes or types.
 void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
-                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true);
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true,
+                         int32_t table_rows = 0);
+// table_rows > 0: the rows are first scattered into chunks of table_rows rows, laid out in a
+// shuffled order, and read through a RowTable (the exact mode's path), zeroed past n_kv.
 
 // The pool attention op alone, for the bench: n_layers independent K/V pools of n_kv
 // slots (random rows of `type`, every slot visible), one decode query per layer, all
