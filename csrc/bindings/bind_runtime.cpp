@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "bindings.h"
+#include "kvflash/speculative.h"
 
 namespace kvflash::bindings {
 
@@ -120,7 +121,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
             ref.busy = &r->busy;
             return ref;
         })
-        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits) {
+        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits, bool exact) {
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(tokens);
                  if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval: too many tokens in one call");
@@ -130,13 +131,52 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  float *o = out.mutable_data();
                  try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(t.data(), n, all_logits, o);
+                     EvalOptions opt;
+                     opt.exact = exact;
+                     r.rt->eval(t.data(), n, all_logits, o, opt);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
                  return out;
-             }, py::arg("tokens"), py::arg("all_logits") = false,
-             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].")
+             }, py::arg("tokens"), py::arg("all_logits") = false, py::arg("exact") = false,
+             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].  exact=True: "
+             "attention over every position, resident rows from the pool and paged-out rows from the host store, "
+             "as the full cache computes it (CPU backend only).")
+        .def("spec_round", [](PyRuntime &r, int32_t tok, int32_t k, float temperature, int32_t top_k, float top_p,
+                              float min_p, std::vector<int32_t> stop_ids) {
+                 if (r.rt->config().eval_layers > 0)
+                     throw std::invalid_argument("spec_round: a scoring runtime has no logits to verify");
+                 InUse use(&r.busy);
+                 const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
+                 SpecRound rd;
+                 {
+                     py::gil_scoped_release nogil;
+                     rd = speculative_round(*r.rt, r.sampler, tok, k, sp, r.sampled_vocab(), stop_ids);
+                 }
+                 const size_t V = size_t(r.model->hparams().n_vocab);
+                 r.round_logits.swap(rd.logits);
+                 r.logits.assign(r.round_logits.end() - V, r.round_logits.end());
+                 py::dict d;
+                 d["accepted"] = rd.accepted;
+                 d["next"] = rd.next;
+                 d["n_draft"] = rd.n_draft;
+                 d["n_kept"] = rd.n_kept;
+                 d["draft_ms"] = rd.draft_ms;
+                 d["verify_ms"] = rd.verify_ms;
+                 return d;
+             }, py::arg("tok"), py::arg("k"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, py::arg("stop_ids") = std::vector<int32_t>{},
+             "One exact-mode round from the pending token tok (not yet evaluated): up to k drafts over the pool, "
+             "then one exact verification pass; the cache keeps tok and the drafts the full model agrees with.  "
+             "Returns {accepted, next, n_draft, n_kept, draft_ms, verify_ms}; last_logits() is then the row after "
+             "the last accepted token, round_logits(i) the row after accepted[i].")
+        .def("round_logits", [](PyRuntime &r, int32_t i) {
+                 InUse use(&r.busy);
+                 const int64_t V = r.model->hparams().n_vocab, n = int64_t(r.round_logits.size()) / std::max<int64_t>(V, 1);
+                 if (i < 0 || i >= n)
+                     throw std::out_of_range("round_logits: row " + std::to_string(i) + " of the last round's " + std::to_string(n));
+                 return py::array_t<float>(py::ssize_t(V), r.round_logits.data() + size_t(i) * V);
+             }, py::arg("i"))
         .def("eval_sample", [](PyRuntime &r, py::array tokens, float temperature, int32_t top_k, float top_p, float min_p) {
                  if (r.rt->config().eval_layers > 0)
                      throw std::invalid_argument("eval_sample: this runtime evaluates only its first " +
@@ -183,6 +223,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              }, "Sample only ids below this (0: every id): a tokenizer with fewer ids than the model's vocabulary "
                 "(padded embedding rows) can decode every id sampled.")
         .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.rt->truncate(n); }, py::arg("n_past"))
+        .def_property_readonly("max_rewind", [](PyRuntime &r) { return r.rt->max_rewind(); },
+                               "how far back truncate can go from n_past (the sliding-window ring's slack)")
         .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.rt->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();

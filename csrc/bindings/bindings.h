@@ -55,7 +55,8 @@ struct PyRuntime {
     std::unique_ptr<Runtime> rt;
     std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
     Sampler sampler;
-    std::vector<float> logits;                   // after the last eval_sample
+    std::vector<float> logits;                   // after the last eval_sample (or speculative round)
+    std::vector<float> round_logits;             // the last speculative round's verified rows [n_accepted][n_vocab]
     int32_t sample_vocab = 0;                    // > 0: sample among the first sample_vocab ids only
     int32_t sampled_vocab() const {
         const int32_t V = model->hparams().n_vocab;

@@ -52,7 +52,12 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     ggml_build_forward_expand(gf, ks);
     ggml_build_forward_expand(gf, vs);
     ggml_tensor *att;
-    if (pool_attn) {
+    if (pool_attn && c.params->rows) {
+        // Exact mode: the rows come through the layer's row table (pool and host store); the
+        // stored tensors are operands for the order after their writes.
+        c.params->scale = kq_scale;
+        att = pool_attention_cpu(ctx, q, ks, vs, c.mask, c.params);
+    } else if (pool_attn) {
         ggml_tensor *k2 = ggml_view_2d(ctx, ks, ks->ne[0], c.n_kv, ks->nb[1], 0);
         ggml_tensor *v2 = ggml_view_2d(ctx, vs, vs->ne[0], c.n_kv, vs->nb[1], 0);
         c.params->scale = kq_scale;

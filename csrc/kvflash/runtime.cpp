@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 
@@ -19,7 +20,7 @@ static double ms_since(clk::time_point t) { return std::chrono::duration<double,
 
 struct Runtime::Graph {
     int32_t n = 0, n_kv = 0;
-    bool all_logits = false;
+    bool all_logits = false, exact = false, capture_all = false;
     ggml_context *ctx = nullptr;
     ggml_cgraph *gf = nullptr;
     ggml_gallocr_t alloc = nullptr;
@@ -28,6 +29,9 @@ struct Runtime::Graph {
     std::vector<ggml_tensor *> q_out;  // per paged layer: [D, H, n_capture]
     int32_t n_capture = 0;
     PoolAttnParams attn, attn_swa;   // stable addresses for the custom attention ops
+    // exact graphs: per paged layer its parameters and row table (sized once, before any address is taken)
+    std::vector<PoolAttnParams> attn_exact;
+    std::vector<RowTable> tables;
     std::vector<uint8_t> meta;
     ~Graph() {
         if (alloc) ggml_gallocr_free(alloc);
@@ -105,6 +109,7 @@ void Runtime::init_swa_ring(int32_t n_swa_layers, ggml_type kvt) {
 Runtime::~Runtime() {
     decode_graph_.reset();
     batch_graph_.reset();
+    exact_graph_.reset();
     cache_.reset();
     if (swa_buf_) ggml_backend_buffer_free(swa_buf_);
     if (swa_ctx_) ggml_free(swa_ctx_);
@@ -115,12 +120,14 @@ size_t Runtime::swa_bytes() const { return swa_buf_ ? ggml_backend_buffer_get_si
 // The forward graph for n tokens: the model's family builds embed and layers over
 // the caches set up here, the shared head ends it.  Inputs: tokens [n] i32, pos [n]
 // i32, slots [n] i64 (pool rows), mask [n_kv, n] f16; for sliding layers swa_slots/swa_mask.
-void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
+void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, const EvalOptions &opt) {
     const Hparams &hp = model_->hparams();
     g.n = n;
     g.n_kv = n_kv_pool;
     g.all_logits = all_logits;
-    g.n_capture = std::min(n, std::max(0, cfg_.capture_queries));
+    g.exact = opt.exact;
+    g.capture_all = opt.capture_all;
+    g.n_capture = cfg_.capture_queries <= 0 ? 0 : opt.capture_all ? n : std::min(n, cfg_.capture_queries);
     const size_t max_nodes = 64 * size_t(hp.n_layer) + 256;
     g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
     ggml_init_params ip{g.meta.size(), g.meta.data(), true};
@@ -157,11 +164,18 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits) {
     f.n = n;
     f.tokens = g.tokens;
     f.pos = g.pos;
-    f.pool_attn = use_pool_attn(n);
+    f.pool_attn = g.exact || use_pool_attn(n);   // exact: the CPU kernel (eval checked the backend)
     f.n_capture = g.n_capture;
+    if (g.exact) {
+        const size_t np = size_t(cache_->pool->n_layers());
+        g.tables.assign(np, RowTable{});
+        g.attn_exact.assign(np, g.attn);
+        for (size_t i = 0; i < np; ++i) g.attn_exact[i].rows = &g.tables[i];
+    }
     for (int32_t il = 0; il < n_eval_layers_; ++il) {
         const int32_t pi = paged_index_[il];
-        if (pi >= 0) f.caches.push_back({cache_->pool->k(pi), cache_->pool->v(pi), g.slots, g.mask, n_kv_pool, &g.attn, true});
+        if (pi >= 0) f.caches.push_back({cache_->pool->k(pi), cache_->pool->v(pi), g.slots, g.mask, n_kv_pool,
+                                         g.exact ? &g.attn_exact[pi] : &g.attn, true});
         else f.caches.push_back({swa_k_[-2 - pi], swa_v_[-2 - pi], g.swa_slots, g.swa_mask, swa_tokens_, &g.attn_swa, false});
     }
     const ArchOps &arch = model_->arch();
@@ -210,21 +224,29 @@ bool Runtime::use_pool_attn(int32_t n) const {
     return n <= cfg_.pool_attn_max_tokens;
 }
 
-Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits) {
-    std::unique_ptr<Graph> &slot = n == 1 ? decode_graph_ : batch_graph_;
-    if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits) return slot.get();
+Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt) {
+    // Exact graphs have a slot of their own, so a speculative round keeps its decode graph.
+    std::unique_ptr<Graph> &slot = opt.exact ? exact_graph_ : n == 1 ? decode_graph_ : batch_graph_;
+    if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits && slot->exact == opt.exact &&
+        slot->capture_all == opt.capture_all)
+        return slot.get();
     auto t0 = clk::now();
     slot.reset();  // its allocator's buffer goes before the new one is made
     auto g = std::make_unique<Graph>();
-    build(*g, n, n_kv, all_logits);  // may throw: the slot is only filled with a complete graph
+    build(*g, n, n_kv, all_logits, opt);  // may throw: the slot is only filled with a complete graph
     slot = std::move(g);
     stats_.t_graph_ms += ms_since(t0);
     return slot.get();
 }
 
-void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out) {
+void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, EvalOptions opt) {
     const Hparams &hp = model_->hparams();
     if (n <= 0) throw std::invalid_argument("eval: need at least one token");
+    if (opt.exact && !ggml_backend_is_cpu(model_->backend()))
+        throw std::invalid_argument("eval: exact attention reads the host store from kvflash's CPU kernel; the model is on " +
+                                    model_->device().name() + " (exact mode runs on the CPU backend only: device='cpu')");
+    if (opt.exact && cfg_.attn == "ggml")
+        throw std::invalid_argument("eval: exact attention is kvflash's CPU kernel; this runtime was made with attn='ggml'");
     if (n_past_ + n > cfg_.max_ctx)
         throw std::out_of_range("eval: " + std::to_string(n_past_ + n) + " tokens exceed max_ctx " +
                                 std::to_string(cfg_.max_ctx) + "; raise max_ctx or shorten the prompt");
@@ -244,14 +266,20 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     while (done < n) {
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
         int32_t m = std::min(n - done, cfg_.ubatch);
-        if (n_past_ + m > P) {
+        if (opt.exact) {
+            // As the full cache cuts a prompt (ubatch), unless the pool's evictable room is smaller.
+            if (n_past_ + m > P) {
+                const int32_t room = P - (cfg_.sink_chunks + cfg_.tail_window_chunks + 1) * C;
+                m = std::min<int32_t>(m, std::max<int32_t>(1, room - int32_t(n_past_ % C)));
+            }
+        } else if (n_past_ + m > P) {
             const int32_t piece = std::min(cfg_.prefill_piece > 0 ? cfg_.prefill_piece : C, cfg_.ubatch);
             m = std::min<int32_t>(n - done, std::max<int32_t>(1, piece - int32_t(n_past_ % C)));
         }
         const bool last = done + m == n;
         float *out = logits_out;
         if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;
-        eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr);
+        eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr, opt);
         done += m;
         if (!last && interrupt_ && interrupt_()) throw EvalInterrupted();
     }
@@ -269,20 +297,23 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     }
 }
 
-void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out) {
+void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, const EvalOptions &opt) {
     const int64_t pos0 = n_past_;
     const int32_t P = cache_->pool->pool_tokens();
     std::vector<int32_t> slots(n);
     if (cache_->pager->alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
         throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
-    // Attention covers the occupied prefix of the pool, in steps of 256 slots.
-    const int32_t n_kv = std::min(P, std::max(256, (cache_->pager->used_extent() + 255) / 256 * 256));
+    // Attention covers the occupied prefix of the pool, in steps of 256 slots; exact attention covers
+    // the context's positions in the same steps (what the full cache's identity placement attends).
+    const int32_t n_kv = opt.exact ? int32_t((pos0 + n + 255) / 256 * 256)
+                                   : std::min(P, std::max(256, (cache_->pager->used_extent() + 255) / 256 * 256));
     Graph *g = nullptr;
     try {
-        g = get_graph(n, n_kv, all_logits && n > 1);
+        g = get_graph(n, n_kv, all_logits && n > 1, opt);
         auto t0 = clk::now();
         ggml_backend_tensor_set(g->tokens, tokens, 0, sizeof(int32_t) * n);
         set_masks(*g, pos0, n, slots.data(), n_kv);
+        if (g->exact) set_exact_rows(*g, pos0, n);
         stats_.t_mask_ms += ms_since(t0);
         t0 = clk::now();
         {
@@ -306,7 +337,7 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     stats_.n_tokens_evaluated += n;
     if (logits_out && g->logits) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
     else if (logits_out) std::fill(logits_out, logits_out + size_t(all_logits && n > 1 ? n : 1) * model_->hparams().n_vocab, 0.f);
-    if (g->n_capture > 0) keep_captured(*g);
+    if (g->n_capture > 0) keep_captured(*g, cfg_.capture_queries + (g->capture_all ? g->n : 0));
     if (observer_) observer_->evaluated(*this, pos0, n);
 }
 
@@ -323,7 +354,9 @@ void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots3
     }
     ggml_backend_tensor_set(g.pos, pos.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(g.slots, slots.data(), 0, sizeof(int64_t) * n);
-    if (n == 1) {
+    if (g.exact) {
+        decode_mask_epoch_ = -1;   // set_exact_rows writes this graph's mask (over positions)
+    } else if (n == 1) {
         // Decode: rebuild the mask only when residency changed; else unmask the new slot.
         if (decode_mask_epoch_ != pg.epoch() || int32_t(decode_mask_.size()) != P) {
             decode_mask_.resize(P);
@@ -361,10 +394,10 @@ void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots3
 // The capture is a window over the last capture_queries positions across evals (a
 // decode step adds one query; the window still holds the ones before it).  The
 // previous window ends at the piece's first position: truncate trims it with the cache.
-void Runtime::keep_captured(const Graph &g) {
+void Runtime::keep_captured(const Graph &g, int32_t cap) {
     const Hparams &hp = model_->hparams();
     const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = g.q_out.size();
-    const int32_t nc = g.n_capture, keep = std::min(n_captured_, std::max(0, cfg_.capture_queries - nc));
+    const int32_t nc = g.n_capture, keep = std::min(n_captured_, std::max(0, cap - nc));
     std::vector<float> next(size_t(keep + nc) * qsz * nl);
     for (size_t l = 0; l < nl; ++l) {
         float *dst = next.data() + l * size_t(keep + nc) * qsz;
@@ -375,6 +408,56 @@ void Runtime::keep_captured(const Graph &g) {
     }
     captured_q_.swap(next);
     n_captured_ = keep + nc;
+}
+
+// Exact pieces: per paged layer a row table over the positions' chunks (the pool's block where the
+// chunk is resident, else its host-store copy: [layer][K rows][V rows] in a host chunk), and the
+// causal mask over positions.  After alloc_span, so the piece's evictions are already in the store.
+void Runtime::set_exact_rows(Graph &g, int64_t pos0, int32_t n) {
+    Pager &pg = *cache_->pager;
+    const KVPool &pool = *cache_->pool;
+    const int32_t C = cfg_.chunk_tokens, n_kv = g.n_kv, nch = (n_kv + C - 1) / C;
+    size_t widest = 0;   // the stand-in chunk is sized once, before any table points into it
+    for (size_t pi = 0; pi < g.tables.size(); ++pi)
+        widest = std::max({widest, size_t(C) * pool.k(int32_t(pi))->nb[1], size_t(C) * pool.v(int32_t(pi))->nb[1]});
+    if (zero_rows_.size() < widest) zero_rows_.assign(widest, 0);
+    size_t host_off = 0;
+    for (size_t pi = 0; pi < g.tables.size(); ++pi) {
+        const ggml_tensor *k = pool.k(int32_t(pi)), *v = pool.v(int32_t(pi));
+        const size_t kc = size_t(C) * k->nb[1], vc = size_t(C) * v->nb[1];
+        RowTable &t = g.tables[pi];
+        t.chunk_rows = C;
+        t.k.assign(nch, zero_rows_.data());
+        t.v.assign(nch, zero_rows_.data());
+        for (int32_t c = 0; c < std::min(nch, pg.n_chunks()); ++c) {
+            if (const int32_t b = pg.block_of(c); b >= 0) {
+                t.k[c] = static_cast<const char *>(k->data) + size_t(b) * kc;
+                t.v[c] = static_cast<const char *>(v->data) + size_t(b) * vc;
+            } else if (const int32_t h = pg.host_of(c); h >= 0) {
+                const char *hb = reinterpret_cast<const char *>(pg.host_store().ptr(h)) + host_off;
+                t.k[c] = hb;
+                t.v[c] = hb + kc;
+            }
+        }
+        host_off += kc + vc;
+    }
+    std::vector<uint16_t> mask(size_t(n_kv) * n, 0xFC00);
+    for (int32_t i = 0; i < n; ++i)
+        std::fill_n(mask.begin() + size_t(i) * n_kv, std::min<int64_t>(n_kv, pos0 + i + 1), uint16_t(0));
+    ggml_backend_tensor_set(g.mask, mask.data(), 0, sizeof(uint16_t) * mask.size());
+}
+
+void Runtime::trim_captured() {
+    const int32_t cap = std::max(0, cfg_.capture_queries);
+    if (n_captured_ <= cap) return;
+    const Hparams &hp = model_->hparams();
+    const size_t qsz = size_t(hp.n_head) * hp.head_dim_k, nl = captured_q_.size() / (size_t(n_captured_) * qsz);
+    std::vector<float> next(size_t(cap) * qsz * nl);
+    for (size_t l = 0; l < nl && cap > 0; ++l)
+        std::memcpy(next.data() + l * size_t(cap) * qsz,
+                    captured_q_.data() + (l * size_t(n_captured_) + (n_captured_ - cap)) * qsz, size_t(cap) * qsz * sizeof(float));
+    captured_q_.swap(next);
+    n_captured_ = cap;
 }
 
 int32_t Runtime::captured_layers() const { return cache_->pool->n_layers(); }  // the paged layers evaluated
@@ -421,6 +504,10 @@ void Runtime::truncate(int64_t n_past) {
         if (p >= n_past) p = -1;
     n_past_ = n_past;
     decode_mask_epoch_ = -1;
+}
+
+int64_t Runtime::max_rewind() const {
+    return swa_tokens_ > 0 ? int64_t(swa_tokens_) - model_->hparams().n_swa : std::numeric_limits<int64_t>::max();
 }
 
 void Runtime::reset() {

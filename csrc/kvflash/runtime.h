@@ -57,6 +57,18 @@ struct RuntimeStats {
 
 class Runtime;
 
+// How one eval reads and keeps.
+struct EvalOptions {
+    // Attention over every position of the context in logical order -- resident rows from the
+    // pool, paged-out rows straight from the host store -- as the full cache computes it (the same
+    // rows, ranges and order; the CPU backend only).  Pieces are cut as the full cache cuts them
+    // (ubatch) where the pool's evictable room holds them.  Exact mode's prefill and verification.
+    bool exact = false;
+    // Keep the queries of every token of the call beside the capture window (a verification pass
+    // whose tail may be truncated away); trim_captured() brings the window back to capture_queries.
+    bool capture_all = false;
+};
+
 // Thrown by Runtime::eval when its interrupt hook asked it to stop between pieces.
 struct EvalInterrupted : std::runtime_error {
     EvalInterrupted() : std::runtime_error("eval: interrupted") {}
@@ -84,13 +96,15 @@ public:
     // was (unless the sliding-window ring cannot rewind that far: then n_past says
     // how far it got).  The tokens are read more than once: the caller keeps them
     // unchanged for the call (the bindings pass a private copy).
-    void eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    void eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, EvalOptions opt = {});
     // Asked between the pieces of one eval; true: stop (the bindings check for Ctrl-C).
     void set_interrupt(std::function<bool()> f) { interrupt_ = std::move(f); }
     int64_t n_past() const { return n_past_; }
     // Precondition: 0 <= n_past <= n_past() (std::out_of_range otherwise), and the
     // sliding-window ring still holds the window before n_past (std::invalid_argument).
     void truncate(int64_t n_past);
+    // How far back truncate can go from n_past() (the sliding-window ring's slack; no limit without one).
+    int64_t max_rewind() const;
     void reset();
     // The one observer (nullptr: none); it lives as long as the runtime holds it.
     void set_observer(std::shared_ptr<CacheObserver> obs) { observer_ = std::move(obs); }
@@ -129,17 +143,20 @@ public:
     // before a later eval and a truncate back to here).  invalid_argument for a k above
     // capture_queries or n_past, or a size that does not fit.
     void set_captured(std::vector<float> q, int32_t k);
+    // Keep only the last capture_queries queries of the window (after a capture_all eval).
+    void trim_captured();
 
 private:
     friend class Snapshot;   // snapshot.cpp: the ring, n_past and the captured queries
     struct Graph;
-    Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits);
+    Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt);
     bool use_pool_attn(int32_t n) const;
-    void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits);
+    void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt);
     void finish_graph(Graph &g);   // backend op check + allocation
-    void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out);
+    void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, const EvalOptions &opt);
     void set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots, int32_t n_kv);
-    void keep_captured(const Graph &g);
+    void set_exact_rows(Graph &g, int64_t pos0, int32_t n);   // the row tables and causal mask of an exact piece
+    void keep_captured(const Graph &g, int32_t cap);
     void init_swa_ring(int32_t n_swa_layers, ggml_type kvt);
 
     std::shared_ptr<Model> model_;
@@ -154,7 +171,8 @@ private:
     ggml_backend_buffer_t swa_buf_ = nullptr;
     std::vector<ggml_tensor *> swa_k_, swa_v_;
     std::vector<int64_t> swa_pos_;
-    std::unique_ptr<Graph> decode_graph_, batch_graph_;
+    std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;
+    std::vector<char> zero_rows_;         // a chunk of zero rows: the row tables' stand-in for unwritten chunks
     std::vector<uint16_t> decode_mask_;
     int64_t decode_mask_epoch_ = -1;
     int64_t n_past_ = 0;

@@ -46,14 +46,7 @@ void Sampler::set_state(const std::string &text) {
     rng_ = r;
 }
 
-int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {
-    check_logits(logits, n);
-    if (p.temperature <= 0.f) {
-        int32_t best = 0;
-        for (int32_t i = 1; i < n; ++i)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
+double Sampler::select(const float *logits, int32_t n, const SamplerParams &p) {
     cand_.resize(n);
     for (int32_t i = 0; i < n; ++i) cand_[i] = {logits[i] / p.temperature, i};
     int32_t k = (p.top_k > 0 && p.top_k < n) ? p.top_k : n;
@@ -78,6 +71,20 @@ int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) 
     cand_.resize(keep);
     double tot = 0;
     for (auto &c : cand_) tot += c.first;
+    return tot;
+}
+
+static int32_t argmax(const float *logits, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; ++i)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) {
+    check_logits(logits, n);
+    if (p.temperature <= 0.f) return argmax(logits, n);
+    const double tot = select(logits, n, p);
     std::uniform_real_distribution<double> u(0.0, tot);
     double r = u(rng_);
     for (auto &c : cand_) {
@@ -86,5 +93,35 @@ int32_t Sampler::sample(const float *logits, int32_t n, const SamplerParams &p) 
     }
     return cand_.back().second;
 }
+
+void Sampler::distribution(const float *logits, int32_t n, const SamplerParams &p,
+                           std::vector<std::pair<int32_t, double>> &out) {
+    check_logits(logits, n);
+    out.clear();
+    if (p.temperature <= 0.f) {
+        out.push_back({argmax(logits, n), 1.0});
+        return;
+    }
+    const double tot = select(logits, n, p);
+    for (auto &c : cand_) out.push_back({c.second, c.first / tot});
+    std::sort(out.begin(), out.end());
+}
+
+int32_t Sampler::draw(const std::vector<std::pair<int32_t, double>> &weights) {
+    double tot = 0;
+    for (auto &w : weights) tot += w.second;
+    std::uniform_real_distribution<double> u(0.0, tot);
+    double r = u(rng_);
+    for (auto &w : weights) {
+        if (w.second <= 0) continue;
+        r -= w.second;
+        if (r <= 0) return w.first;
+    }
+    for (auto it = weights.rbegin(); it != weights.rend(); ++it)   // rounding left r above 0
+        if (it->second > 0) return it->first;
+    return weights.back().first;
+}
+
+double Sampler::uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
 
 }  // namespace kvflash

@@ -30,8 +30,17 @@ public:
     // logits: n floats.  Precondition: params validated by the caller.  Throws
     // std::invalid_argument for a NaN or +inf logit, or when none is finite.
     int32_t sample(const float *logits, int32_t n, const SamplerParams &p);
+    // The distribution sample() draws from: (id, probability) pairs summing to 1, ids ascending
+    // (greedy: the argmax alone, probability 1).  Same preconditions and errors as sample().
+    void distribution(const float *logits, int32_t n, const SamplerParams &p, std::vector<std::pair<int32_t, double>> &out);
+    // One id drawn in proportion to the weights (not all zero), from this generator.
+    int32_t draw(const std::vector<std::pair<int32_t, double>> &weights);
+    // A uniform number in [0, 1) from this generator.
+    double uniform();
 
 private:
+    // The candidates sample() draws from, weights unnormalized, in cand_ (best first); their total.
+    double select(const float *logits, int32_t n, const SamplerParams &p);
     std::mt19937_64 rng_;
     std::vector<std::pair<float, int32_t>> cand_;
 };
