@@ -517,7 +517,8 @@ def serve(args) -> int:
     model = _core.Model(str(path), args.threads or usable_cores(), device=resolve_device(args.device))
     sessions = [Session(model, max_ctx=args.max_ctx, kvflash=_pool_arg(args.kvflash), policy=args.kvflash_policy,
                         drafter=args.prefill_drafter, tau=args.kvflash_tau, kv_type=args.kv_type, seed=args.seed,
-                        allow_long_ctx=args.allow_long_ctx, verbose=i == 0) for i in range(args.parallel)]
+                        allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),
+                        verbose=i == 0) for i in range(args.parallel)]
     app = create_app(sessions, model_name=args.alias or path.stem, api_key=args.api_key,
                      slot_save_path=args.slot_save_path)
     print(f"[kvflash] serving {path.name} on http://{args.host}:{args.port} ({args.parallel} slot"

@@ -105,8 +105,11 @@ def _snapshot_app(snap, path) -> dict:
     try:
         cfg, pol, st = app["config"], app["policy"], app["state"]
         ok = (isinstance(cfg, dict) and isinstance(pol, dict) and isinstance(st, dict)
-              and set(cfg) == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens", "sink_chunks",
-                               "tail_window_chunks", "ubatch", "reeval_tokens", "seed", "allow_long_ctx"}
+              # exact mode's two settings are optional: snapshots written before it lack them
+              and set(cfg) - {"exact", "exact_draft"} == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens",
+                                                          "sink_chunks", "tail_window_chunks", "ubatch",
+                                                          "reeval_tokens", "seed", "allow_long_ctx"}
+              and isinstance(cfg.get("exact", False), bool)
               and isinstance(st["since_rescore"], int) and isinstance(st["rescores"], int)
               and (st["last_scores"] is None or isinstance(st["last_scores"], list)))
     except KeyError:
@@ -114,6 +117,50 @@ def _snapshot_app(snap, path) -> dict:
     if not ok:
         raise bad
     return app
+
+
+MAX_DRAFT = 16   # drafts per exact-mode round, at most
+
+
+class _SpecStats:
+    """Exact mode's counters, and the draft length chosen from them: per round the expected
+    tokens (1 - a^(k+1)) / (1 - a) for a per-draft acceptance a, over its cost k * t_draft +
+    t_verify, both measured (moving averages); 8 drafts until there is something to go on."""
+
+    def __init__(self):
+        self.rounds = self.drafted = self.kept = 0
+        self.draft_ms = self.verify_ms = 0.0
+        self._a, self._td, self._tv = 0.8, None, None
+
+    def add(self, r: dict) -> None:
+        self.rounds += 1
+        self.drafted += r["n_draft"]
+        self.kept += r["n_kept"]
+        self.draft_ms += r["draft_ms"]
+        self.verify_ms += r["verify_ms"]
+        w = 0.25
+        if r["n_draft"] > 0:
+            self._a = (1 - w) * self._a + w * (r["n_kept"] / r["n_draft"])
+            td = r["draft_ms"] / r["n_draft"]
+            self._td = td if self._td is None else (1 - w) * self._td + w * td
+        self._tv = r["verify_ms"] if self._tv is None else (1 - w) * self._tv + w * r["verify_ms"]
+
+    def choose_k(self) -> int:
+        if self._td is None or self._tv is None:
+            return 8
+        a = min(max(self._a, 0.05), 0.98)
+        return max(range(2, MAX_DRAFT + 1),
+                   key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * self._td + self._tv))
+
+    def stats(self, decode_s: float) -> dict:
+        return {
+            "exact_rounds": self.rounds,
+            "exact_drafted": self.drafted,
+            "exact_kept": self.kept,
+            "acceptance_rate": self.kept / self.drafted if self.drafted else 0.0,
+            "mean_kept_per_round": self.kept / self.rounds if self.rounds else 0.0,
+            "verify_share": (self.verify_ms / 1e3) / decode_s if decode_s > 0 else 0.0,
+        }
 
 
 def _policy_spec(policy) -> dict:
@@ -164,7 +211,8 @@ class Session:
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
                  ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
-                 max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None):
+                 max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
+                 exact: bool = False, exact_draft: Optional[int] = None):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -172,6 +220,12 @@ class Session:
         if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or isinstance(max_host_bytes, bool)
                                            or max_host_bytes < 1):
             raise ValueError(f"max_host_bytes must be a positive integer (bytes) or None (no cap), got {max_host_bytes!r}")
+        if not isinstance(exact, bool):
+            raise ValueError(f"exact must be True or False, got {exact!r}")
+        if exact_draft is not None and (not isinstance(exact_draft, int) or isinstance(exact_draft, bool)
+                                        or not 0 <= exact_draft <= MAX_DRAFT):
+            raise ValueError(f"exact_draft must be None (adaptive) or an integer in [0, {MAX_DRAFT}] (drafts per "
+                             f"round), got {exact_draft!r}")
         if not isinstance(tau, int) or tau < 1:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
@@ -188,6 +242,9 @@ class Session:
             self.threads = threads or usable_cores()
             self.model = _core.Model(str(self.model_path), self.threads, device=device)
         self.device = self.model.device
+        if exact and not str(self.device).startswith("cpu"):
+            raise ValueError(f"exact=True verifies on the CPU backend (its attention reads the host store in place); "
+                             f"the model is on {self.device}: use device='cpu'")
         hp = self.model.hparams
         self.hparams = hp
         if max_ctx is None:
@@ -244,10 +301,16 @@ class Session:
         # What Session.load needs to build a session a snapshot fits (the rest is in the snapshot's header).
         self._config = dict(max_ctx=max_ctx, kvflash=pool if pool > 0 else None, tau=tau, kv_type=kv_type,
                             chunk_tokens=chunk_tokens, sink_chunks=sink_chunks, tail_window_chunks=tail_window_chunks,
-                            ubatch=ubatch, reeval_tokens=reeval_tokens, seed=seed, allow_long_ctx=allow_long_ctx)
+                            ubatch=ubatch, reeval_tokens=reeval_tokens, seed=seed, allow_long_ctx=allow_long_ctx,
+                            exact=exact, exact_draft=exact_draft)
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
         self.kvflash = pool > 0
+        # Exact mode (speculative verification): the full cache's tokens from the paged session.  With
+        # the full cache itself there is nothing to verify: every eval is already exact.
+        self.exact = exact and self.kvflash
+        self.exact_draft = exact_draft
+        self._spec = _SpecStats()
         self._tokens: list[int] = []
         self._last_logits: Optional[np.ndarray] = None
         self._since_rescore = 0
@@ -314,7 +377,8 @@ class Session:
 
     @property
     def banner(self) -> str:
-        mode = "" if self.kvflash else " [full cache]"
+        mode = (" [exact: drafts over the pool, verified over the whole context]" if self.exact
+                else "" if self.kvflash else " [full cache]")
         line = (f"[kvflash] resident pool {self.runtime.pool_tokens} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
                 f"policy={self.policy.name}{self._policy_note}{mode}")
         if self.auto_reason:
@@ -439,7 +503,7 @@ class Session:
 
     def _prefill(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
-        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32))
+        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact)
         self._prefill_s += time.perf_counter() - t0
         self._tokens.extend(ids)
         self._settle_prompt(ids)
@@ -453,7 +517,9 @@ class Session:
             # prompt's tail now (the question usually sits there), then re-read the last
             # token so the first generated token already attends to the chosen chunks.
             self._since_rescore = 0
-            if self.rescore() > 0:
+            # (exact mode: the prompt's K/V are already the full cache's; a re-read over the pool would
+            # only make them approximate)
+            if self.rescore() > 0 and not self.exact:
                 # Re-read the prompt's last tokens (the question, typically) so they, not only the
                 # final token, see the recalled chunks in every layer.
                 k = max(1, min(len(ids), self.reeval_tokens))
@@ -554,11 +620,61 @@ class Session:
                 self._since_rescore += 1
         return nxt
 
+    def _round(self, tok: int, sampling: tuple, ahead: list, budget: int, eot: set) -> int:
+        """Exact mode: one speculative round from the pending tok.  The cache then holds tok and the
+        kept drafts; tok enters the history, the drafts wait in ``ahead`` (in the cache, not yet
+        consumed by the generate loop).  Returns the token after tok."""
+        rt = self.runtime
+        self._maybe_rescore()   # at a round's start nothing is ahead: the pool drafting reads is chosen here
+        n0 = len(self._tokens)
+        cap = min(budget - 1, self.max_ctx - n0 - 1, MAX_DRAFT, rt.max_rewind)
+        k = max(0, min(cap, self.exact_draft if self.exact_draft is not None else self._spec.choose_k()))
+        r = None
+        try:
+            r = rt.spec_round(int(tok), int(k), *sampling, stop_ids=sorted(eot))
+        finally:
+            if r is None and rt.n_past > n0:   # a Ctrl-C after the round returned: drop the round
+                rt.truncate(n0)
+        acc = r["accepted"]
+        self._tokens.append(tok)
+        self._since_rescore += len(acc)
+        self._spec.add(r)
+        ahead[:] = acc[1:]
+        self._round_base = n0
+        self._round_next = r["next"]
+        return ahead[0] if ahead else r["next"]
+
+    def _advance(self, tok: int, sampling: tuple, ahead: list, budget: int, eot: set) -> int:
+        """tok enters the history; returns the token after it."""
+        if not self.exact:
+            nxt = self._step(tok, sampling)
+            self._maybe_rescore()
+            return nxt
+        if ahead:   # tok was kept by the last round and is in the cache already
+            self._tokens.append(ahead.pop(0))
+            return ahead[0] if ahead else self._round_next
+        return self._round(tok, sampling, ahead, budget, eot)
+
+    def _settle_round(self, ahead: list) -> None:
+        """Exact mode, at a generation's end: drafts the loop did not consume leave the cache
+        (the last logits become the verified row after the last consumed token)."""
+        n = len(self._tokens)
+        self._last_logits = self.runtime.round_logits(n - 1 - self._round_base).copy()
+        self._tokens.extend(ahead)
+        ahead.clear()
+        if self._scored():
+            self._truncate(n)   # reads the capture window's tokens again (exactly), as truncate() does
+        else:
+            self.runtime.truncate(n)
+            del self._tokens[n:]
+            self._policy_rewind()
+
     def _generate(self, max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed):
         rt = self.runtime
         me = self._open_iterator()
         sampling = (temperature, top_k, top_p, min_p)
         eot = set() if ignore_eos else set(self.tokenizer.eot_ids)
+        ahead: list[int] = []   # exact mode: tokens a round kept that the loop has not consumed yet
         dec = StreamDecoder(self.tokenizer, strip_leading_space=False)
         held = ""  # text withheld while it could still be the start of a stop string
         t0 = time.perf_counter()
@@ -569,16 +685,15 @@ class Session:
                 if seed is not None:
                     rt.seed(int(seed))
                 tok = rt.sample(self._last_logits, *sampling)
-            for _ in range(max_tokens):
+            for i in range(max_tokens):
                 if tok in eot:
                     reason = "eos"
                     break
-                if rt.n_past >= self.max_ctx:
+                if len(self._tokens) >= self.max_ctx:
                     reason = "max_ctx"
                     break
                 with self._using("generate", from_iterator=me):
-                    nxt = self._step(tok, sampling)
-                    self._maybe_rescore()
+                    nxt = self._advance(tok, sampling, ahead, max_tokens - i, eot)
                 piece = dec.push(tok)
                 tok = nxt
                 if not stops:
@@ -615,9 +730,12 @@ class Session:
             reason = "error"
             raise
         finally:
-            produced = len(self._tokens) - n_start
-            if produced > 0:
+            if ahead:
+                with self._using("generate", from_iterator=me):
+                    self._settle_round(ahead)
+            elif len(self._tokens) > n_start:
                 self._last_logits = rt.last_logits().copy()
+            produced = len(self._tokens) - n_start
             self._decode_s += time.perf_counter() - t0
             self._decoded += max(produced, 0)
             self.finish_reason = reason
@@ -676,28 +794,32 @@ class Session:
         with self._using("truncate"):
             if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= len(self._tokens):
                 raise ValueError(f"truncate: n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
-            if n_tokens == 0:
-                self._reset()
-                return
-            if n_tokens == len(self._tokens):
-                return
-            k = min(n_tokens, self._n_capture) if self._scored() else 1
+            self._truncate(n_tokens)
+
+    def _truncate(self, n_tokens: int) -> None:
+        if n_tokens == 0:
+            self._reset()
+            return
+        if n_tokens == len(self._tokens):
+            return
+        k = min(n_tokens, self._n_capture) if self._scored() else 1
+        try:
             try:
-                try:
-                    self.runtime.truncate(n_tokens - k)  # ValueError (ring) before anything changed
-                except ValueError:
-                    if k == 1:
-                        raise
-                    k = 1   # the ring reaches back to the last token only: a shorter capture window then
-                    self.runtime.truncate(n_tokens - k)
-                self._last_logits = None
-                self._last_logits = self.runtime.eval(np.asarray(self._tokens[n_tokens - k:n_tokens], dtype=np.int32))
-            finally:
-                # The cache holds a prefix of the history whatever happened (a Ctrl-C included):
-                # the history follows it.  After a failed re-read that is n_tokens - k tokens,
-                # without logits; prefill continues it.
-                del self._tokens[self.runtime.n_past:]
-                self._policy_rewind()
+                self.runtime.truncate(n_tokens - k)  # ValueError (ring) before anything changed
+            except ValueError:
+                if k == 1:
+                    raise
+                k = 1   # the ring reaches back to the last token only: a shorter capture window then
+                self.runtime.truncate(n_tokens - k)
+            self._last_logits = None
+            self._last_logits = self.runtime.eval(np.asarray(self._tokens[n_tokens - k:n_tokens], dtype=np.int32),
+                                                  exact=self.exact)
+        finally:
+            # The cache holds a prefix of the history whatever happened (a Ctrl-C included):
+            # the history follows it.  After a failed re-read that is n_tokens - k tokens,
+            # without logits; prefill continues it.
+            del self._tokens[self.runtime.n_past:]
+            self._policy_rewind()
 
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
@@ -818,4 +940,5 @@ class Session:
             "decode_tok_s": self._decoded / self._decode_s if self._decode_s > 0 else 0.0,
             "threads": self.threads,
             "kv_type": self.kv_type,
+            **(self._spec.stats(self._decode_s) if self.exact else {}),
         }

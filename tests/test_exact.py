@@ -1,0 +1,280 @@
+"""Exact mode: the full cache's output from a paged session (issue 19).
+
+1. The attention op reading rows through a row table (chunks stored out of order, the exact mode's
+   path) gives bit-identical results to the same rows read in place, for every kernel and KV type.
+2. Runtime.eval(exact=True) on a pool far smaller than the context gives the full cache's logits bit
+   for bit (prefill and decode), where the pooled eval does not.
+3. Session(exact=True) greedy: the same tokens, final context and last logits as the full cache,
+   with eviction in play, for lru and qk, whatever max_tokens cuts a round at.
+4. Session(exact=True) sampling: the joint distribution of three sampled tokens matches the full
+   cache's exact probabilities (chi-squared test over many seeded draws), while the drafts' own
+   distribution differs from it (so the test has something to catch).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+core = pytest.importorskip("kvflash._core")
+import kvflash  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attention_kernel import _rows  # noqa: E402
+from tinygguf import write_tiny_model  # noqa: E402
+
+C = 16          # chunk tokens: small pools (256) with room for 128-token pieces
+POOL = 256
+UBATCH = 128
+PROMPT = 900    # ~3.5x the pool: most of the prompt is paged out
+
+
+# --------------------------------------------------------------------------- 1. the op through a row table
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("n,n_kv,table_rows", [(1, 97, 16), (5, 300, 64), (3, 256, 16)])
+def test_row_table_reads_the_same_rows(kind, tiled, n, n_kv, table_rows):
+    rng = np.random.default_rng(n * 1000 + n_kv)
+    H, Hkv, D = 4, 2, 64
+    k, _ = _rows(rng, kind, n_kv, Hkv * D)
+    v, _ = _rows(rng, kind, n_kv, Hkv * D)
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    visible = (rng.random((n, n_kv)) < 0.7).astype(np.uint8)
+    visible[:, 0] = 1
+    kw = dict(kv_type=kind, n_head_kv=Hkv, scale=0.125, n_split=3, n_threads=2, tiled=tiled)
+    plain = core.pool_attention(q, k, v, visible, **kw)
+    table = core.pool_attention(q, k, v, visible, table_rows=table_rows, **kw)
+    assert np.array_equal(plain, table)
+
+
+def test_row_table_rejects_a_negative_size():
+    rng = np.random.default_rng(0)
+    k, _ = _rows(rng, "q8_0", 8, 32)
+    with pytest.raises(ValueError, match="table_rows"):
+        core.pool_attention(np.zeros((1, 1, 32), np.float32), k, k, np.ones((1, 8), np.uint8), kv_type="q8_0",
+                            n_head_kv=1, scale=1.0, table_rows=-1)
+
+
+# --------------------------------------------------------------------------- tiny models
+
+_MODELS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny(arch) -> GGUF path of a 2-layer model (gemma3: 6 layers, 5 sliding, window 16)."""
+
+    def get(arch):
+        if arch not in _MODELS:
+            kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, weight_type="f32", seed=11)
+            if arch == "gemma3":
+                kw.update(n_layer=6, gemma_sliding_window=16)
+            path = tmp_path_factory.mktemp("exact") / f"{arch}.gguf"
+            write_tiny_model(path, arch, **kw)
+            _MODELS[arch] = str(path)
+        return _MODELS[arch]
+
+    yield get
+    _MODELS.clear()
+
+
+def _ids(n, seed=1, vocab=256):
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_exact_eval_is_the_full_cache(tiny, arch):
+    m = core.Model(tiny(arch), n_threads=2)
+    full = core.Runtime(m, max_ctx=2048, pool_tokens=0, chunk_tokens=C, ubatch=UBATCH)
+    paged = core.Runtime(m, max_ctx=2048, pool_tokens=POOL, chunk_tokens=C, ubatch=UBATCH)
+    pooled = core.Runtime(m, max_ctx=2048, pool_tokens=POOL, chunk_tokens=C, ubatch=UBATCH)
+    ids = _ids(PROMPT)
+    want = full.eval(ids)
+    got = paged.eval(ids, exact=True)
+    approx = pooled.eval(ids)
+    assert paged.pager.stats["host_chunks"] > 40          # most of the prompt lives in the host store
+    assert np.array_equal(got, want)
+    assert np.abs(approx - want).max() > 1e-4             # the pool alone does not give it
+    for t in _ids(6, seed=2):                              # decode, one token at a time
+        want = full.eval(np.asarray([t], np.int32))
+        assert np.array_equal(paged.eval(np.asarray([t], np.int32), exact=True), want)
+    # a batch on top (a verification pass's shape) against the full cache's batch
+    more = _ids(9, seed=3)
+    assert np.array_equal(paged.eval(more, all_logits=True, exact=True), full.eval(more, all_logits=True))
+
+
+def test_exact_eval_refuses_ggml_attention(tiny):
+    m = core.Model(tiny("llama"), n_threads=1)
+    rt = core.Runtime(m, max_ctx=1024, pool_tokens=POOL, chunk_tokens=C, attn="ggml")
+    with pytest.raises(ValueError, match="attn='ggml'"):
+        rt.eval(_ids(4), exact=True)
+    assert rt.n_past == 0
+
+
+# --------------------------------------------------------------------------- 3. greedy sessions
+
+def _rounding_apart(got, want):
+    """Logits of a verification batch against the full cache's one-token step: the same rows in the same
+    order, but ggml's matrix products take another kernel for a batch than for one row (and a batch's
+    sliding-window rows are grouped otherwise), so the two are a float rounding apart, not bit-equal
+    (test_exact_eval_is_the_full_cache compares like shapes: bit-equal)."""
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def _session(path, exact, policy="lru", **kw):
+    return kvflash.Session(path, max_ctx=2048, kvflash=POOL if exact is not None else None, chunk_tokens=C,
+                           ubatch=UBATCH, policy=policy, threads=2, verbose=False, exact=bool(exact), tau=16, **kw)
+
+
+def _run(s, prompt, n, **kw):
+    text = "".join(s.generate(prompt.tolist() if prompt is not None else None, max_tokens=n, ignore_eos=True, **kw))
+    return text, list(s.tokens)
+
+
+@pytest.mark.parametrize("arch,policy", [("llama", "lru"), ("llama", "qk"), ("gemma3", "lru")])
+def test_greedy_tokens_are_the_full_cache(tiny, arch, policy):
+    path = tiny(arch)
+    prompt = _ids(PROMPT, seed=4)
+    full = _session(path, None)
+    ex = _session(path, True, policy=policy)
+    pooled = _session(path, False, policy=policy)
+    _, want = _run(full, prompt, 64)
+    _, got = _run(ex, prompt, 64)
+    _, approx = _run(pooled, prompt, 64)
+    assert got == want
+    _rounding_apart(ex.logits(), full.logits())
+    assert ex.runtime.n_past == full.runtime.n_past == len(want)
+    st = ex.stats
+    assert st["exact_rounds"] > 0 and st["exact_drafted"] > 0
+    assert 0 <= st["acceptance_rate"] <= 1 and 0 < st["verify_share"] < 1
+    assert ex.pager.stats["host_chunks"] > 0
+    # eviction is in play: the pooled session's logits along the way are not the full cache's
+    assert approx != want or not np.array_equal(pooled.logits(), full.logits())
+
+
+def test_greedy_rounds_cut_by_max_tokens_and_continue(tiny):
+    """Rounds cut short by max_tokens leave the cache, the history and the logits where the
+    full cache has them; generation continues from there, and a fixed draft length works too."""
+    path = tiny("llama")
+    prompt = _ids(PROMPT, seed=5)
+    full = _session(path, None)
+    ex = _session(path, True, exact_draft=6)
+    _run(full, prompt, 1)
+    _run(ex, prompt, 1)
+    for n in (3, 5, 2, 11, 7):
+        _, want = _run(full, None, n)
+        _, got = _run(ex, None, n)
+        assert got == want
+        assert ex.runtime.n_past == len(got)
+        _rounding_apart(ex.logits(), full.logits())
+    assert ex.stats["exact_drafted"] > 0
+
+
+def test_exact_session_arguments(tiny):
+    path = tiny("llama")
+    with pytest.raises(ValueError, match="exact must be"):
+        kvflash.Session(path, exact="yes", verbose=False)
+    with pytest.raises(ValueError, match="exact_draft"):
+        _session(path, True, exact_draft=99)
+    s = kvflash.Session(path, max_ctx=1024, kvflash=None, exact=True, threads=1, verbose=False)
+    assert not s.exact          # the full cache is exact already: nothing to verify
+    rt = _session(path, True).runtime
+    rt.eval(_ids(40))
+    with pytest.raises(IndexError, match="max_ctx"):
+        rt.spec_round(1, 3000)
+    with pytest.raises(ValueError, match="k must be"):
+        rt.spec_round(1, -1)
+    assert rt.n_past == 40
+
+
+# --------------------------------------------------------------------------- 4. sampling
+
+def _dist(logits, temperature, top_k):
+    """What the sampler draws from (temperature, then top-k; top_p 1, min_p 0): {id: p}."""
+    z = np.asarray(logits, np.float64) / temperature
+    top = np.argsort(-z, kind="stable")[:top_k]
+    w = np.exp(z[top] - z[top].max())
+    return dict(zip(top.tolist(), (w / w.sum()).tolist()))
+
+
+def _chi2_sf(x, df):
+    """P(chi2_df > x), Wilson-Hilferty."""
+    z = ((x / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_follows_the_full_cache_distribution(tiny):
+    path = tiny("llama")
+    T, K, N = 1.5, 3, 1500
+    prompt = _ids(700, seed=6)
+    full = _session(path, None)
+    full.prefill(prompt.tolist())
+    n0 = full.runtime.n_past
+    # exact joint probabilities of three tokens from the full cache
+    joint = {}
+    p1 = _dist(full.logits(), T, K)
+    rt = full.runtime
+    for a, pa in p1.items():
+        la = rt.eval(np.asarray([a], np.int32))
+        for b, pb in _dist(la, T, K).items():
+            lb = rt.eval(np.asarray([b], np.int32))
+            for c, pc in _dist(lb, T, K).items():
+                joint[(a, b, c)] = pa * pb * pc
+            rt.truncate(n0 + 1)
+        rt.truncate(n0)
+    # the drafts' distribution (the pool alone) differs from the full cache's
+    pooled = _session(path, False)
+    pooled.prefill(prompt.tolist())
+    q1 = _dist(pooled.logits(), T, K)
+    tv = 0.5 * sum(abs(p1.get(t, 0) - q1.get(t, 0)) for t in set(p1) | set(q1))
+    assert tv > 0.02, f"the pool's distribution is too close to the full cache's to test anything (TV {tv:.4f})"
+
+    ex = _session(path, True, exact_draft=2)
+    ex.prefill(prompt.tolist())
+    counts: dict = {}
+    for i in range(N):
+        _run(ex, None, 3, temperature=T, top_k=K, seed=1000 + i)
+        key = tuple(ex.tokens[n0:n0 + 3])
+        counts[key] = counts.get(key, 0) + 1
+        ex.truncate(n0)
+    assert set(counts) <= set(joint), "a sampled sequence the full cache gives probability 0"
+    # chi-squared over the cells, the rare ones pooled so every expected count is >= 5
+    cells = sorted(joint, key=lambda c: -joint[c])
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for c in cells:
+        e = joint[c] * N
+        if e >= 5:
+            obs.append(counts.get(c, 0))
+            exp.append(e)
+        else:
+            rest_o += counts.get(c, 0)
+            rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    assert df >= 5
+    assert _chi2_sf(x, df) > 1e-3, f"chi2 {x:.1f} on {df} df"
+    st = ex.stats
+    assert st["exact_kept"] < st["exact_drafted"]   # drafts were rejected along the way
+
+
+def test_exact_session_snapshot_round_trip(tiny, tmp_path):
+    """An exact session saved mid-generation and loaded elsewhere continues with the same tokens,
+    in exact mode; a snapshot written without the exact settings still loads."""
+    path = tiny("llama")
+    ex = _session(path, True, policy="qk")
+    _run(ex, _ids(PROMPT, seed=8), 10)
+    snap = tmp_path / "ex.kvf"
+    ex.save(snap)
+    back = kvflash.Session.load(snap, path, threads=2)
+    assert back.exact and back.runtime.n_past == ex.runtime.n_past
+    _, a = _run(ex, None, 12)
+    _, b = _run(back, None, 12)
+    assert a == b
