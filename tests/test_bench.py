@@ -35,6 +35,7 @@ def tiny(tmp_path_factory):
                "--split", "tuning"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
+    ("exact", ["--contexts", "1200", "--prompts", "3", "--gen-tokens", "12", "--policy", "qk"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -68,6 +69,12 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert kv["window"] == 257 and kv["rescores"]["min"] >= 4, kv
         assert rows[0]["rescores"]["max"] == 0
         assert "x (" in rows[1]["speed_ratio"] and "x (" in kv["speed_ratio"]
+        assert any("A/A" in n for n in data["results"][0]["notes"])
+    if routine == "exact":
+        rows = data["results"][0]["rows"]
+        assert [r["mode"] for r in rows] == ["full", "exact", "full (A/A control)"], rows
+        assert rows[1]["identical"] == "3/3" and rows[2]["identical"] == "3/3", rows
+        assert "x (" in rows[1]["speed_ratio"] and "drafts kept" not in rows[1]["acceptance"]
         assert any("A/A" in n for n in data["results"][0]["notes"])
     if routine == "decode":
         rows = data["results"][0]["rows"]

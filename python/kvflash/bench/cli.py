@@ -12,8 +12,9 @@ from typing import Optional
 from .common import BenchConfig, log, machine_info
 
 ROUTINE_NAMES = ["ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
-                 "ruler"]
-# `all` leaves out ruler: its matrix takes hours (run it by name, in parts: it resumes from its trial log)
+                 "ruler", "exact"]
+# `all` leaves out ruler (its matrix takes hours: run it by name, in parts: it resumes from its trial log) and
+# exact (full-cache prefills of 8K-32K per context: run it by name)
 ALL_ORDER = ["memory", "paging", "attention", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
@@ -33,6 +34,7 @@ PRESETS = {
         "attention": dict(pools=[512, 2048], repeats=5),
         "ruler": dict(contexts=[1024], needles=1, haystacks=["filler"], ruler_residencies=[4], chunk_tokens=16,
                       ruler_aggregate_residencies=[4], policies=["lru", "qk"], split="tuning"),
+        "exact": dict(contexts=[2048], exact_prompts=3, exact_tokens=32),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -53,6 +55,8 @@ PRESETS = {
         # issue 18's matrix: hours on 2 cores, so run it per context (it resumes from <out>/trials.jsonl)
         "ruler": dict(model="gemma3-270m", contexts=[4096, 8192, 16384], needles=8, haystacks=["filler", "ledger"],
                       policies=["lru", "qk", "drafter"]),
+        # issue 19's figures: pool 2K, 16 prompts x 256 tokens per context (SmolLM2 also 16K, Gemma-3 32K)
+        "exact": dict(contexts=[8192, 32768], pools=[2048], policy="qk", exact_prompts=16, exact_tokens=256),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {
@@ -184,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ruler: build the table from the trials already in the log; measure nothing")
     p.add_argument("--log", dest="ruler_log", default=None,
                    help="ruler: the trial log; trials already in it are not run again (default <out>/trials.jsonl)")
+    p.add_argument("--prompts", dest="exact_prompts", type=int, default=None,
+                   help="exact: prompts per context (default 16 with --preset standard)")
+    p.add_argument("--gen-tokens", dest="exact_tokens", type=int, default=None,
+                   help="exact: greedy tokens per prompt (default 256 with --preset standard)")
+    p.add_argument("--exact-draft", dest="exact_draft", type=int, default=None,
+                   help="exact: drafts per round (default: adaptive)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -228,7 +238,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("kv_types", "attn_kv_types"), ("thread_counts", "attn_threads"), ("tasks", "ruler_tasks"),
                     ("residencies", "ruler_residencies"), ("aggregate_residencies", "ruler_aggregate_residencies"),
                     ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log"),
-                    ("ruler_logged_only", "ruler_logged_only")]:
+                    ("ruler_logged_only", "ruler_logged_only"), ("exact_prompts", "exact_prompts"),
+                    ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -238,10 +249,11 @@ def config_for(args, routine: str) -> BenchConfig:
 
 def _validate(p: argparse.ArgumentParser, args) -> None:
     for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods", "clients", "parallel",
-              "client_prompt", "client_tokens"):
+              "client_prompt", "client_tokens", "exact_prompts", "exact_tokens"):
         v = getattr(args, k)
         if v is not None and v < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+            flag = {"exact_prompts": "prompts", "exact_tokens": "gen-tokens"}.get(k, k.replace("_", "-"))
+            p.error(f"--{flag} must be >= 1, got {v}")
     bad_c = [c for c in (args.memory_cells or []) if c not in ("full", "ram", "file", "auto")]
     if bad_c or (args.memory_cells is not None and not args.memory_cells):
         p.error(f"--cells: use full, ram, file, auto (got {args.memory_cells})")
@@ -262,6 +274,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("ruler: --split is tuning or reporting")
     if args.ruler_logged_only and not (args.ruler_log or args.out):
         p.error("--logged-only needs the log: --log FILE or --out DIR (its trials.jsonl)")
+    if args.exact_draft is not None and not 0 <= args.exact_draft <= 16:
+        p.error(f"--exact-draft must be in [0, 16], got {args.exact_draft}")
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")

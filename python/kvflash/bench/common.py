@@ -64,6 +64,9 @@ class BenchConfig:
     prefill_piece: Optional[int] = None    # kvflash sessions' prefill piece once the pool is full (None: a chunk)
     ruler_log: Optional[str] = None        # ruler: the trial log that resumes a run (default <out>/trials.jsonl)
     ruler_logged_only: bool = False        # ruler: the table from the log alone, nothing measured
+    exact_prompts: int = 16                # exact: prompts per context
+    exact_tokens: int = 256                # exact: greedy tokens per prompt
+    exact_draft: Optional[int] = None      # exact: drafts per round (None: the session's adaptive choice)
     seed: int = 1234
     quiet: bool = False
 

@@ -9,6 +9,7 @@ from ._shared import passkey_chunks, rank_of, rank_text, span_rank  # noqa: F401
 from .ab import run_ab
 from .attention import run_attention
 from .decode import run_decode
+from .exact import run_exact
 from .memory import run_memory
 from .paging import run_paging
 from .prefill import run_prefill
@@ -21,4 +22,4 @@ from .snapshot import run_snapshot
 ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
             "snapshot": run_snapshot, "serve": run_serve,
-            "attention": run_attention, "ruler": run_ruler}
+            "attention": run_attention, "ruler": run_ruler, "exact": run_exact}
