@@ -105,6 +105,11 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(ggml_type_size(t), ggml_blck_size(t));
     }, py::arg("kv_type"), "(bytes per block, elements per block) of a KV type, from ggml's type traits.");
 
+    m.def("split_for", [](int64_t n_kv) {
+        if (n_kv < 1) throw std::invalid_argument("split_for: n_kv must be >= 1");
+        const kvflash::SplitK sk = kvflash::split_for(n_kv);
+        return py::make_tuple(sk.n_split, sk.range);
+    }, py::arg("n_kv"), "(ranges, slots per range) of the pool attention's split-K over n_kv attended slots.");
     m.def("pool_attention_tiled_available", &kvflash::pool_attention_tiled_available,
           "whether this build has the tiled pool-attention kernel for q8_0 / q4_0 K and V (AVX-512 VNNI): the "
           "runtime's for those pools, f32 dots; quant_dots=True takes its integer dots instead");

@@ -94,13 +94,17 @@ static void q4_0_to_f32(const void *src, float *dst, int64_t n) {
     }
 }
 
-// out[a] = dot(q, K[a]) for a < na; K rows of D floats (D % 8 == 0 on the AVX2 path).
+// out[a] = dot(q, K[a]) for a < na; K rows of D floats (D % 8 == 0 on the AVX2 path).  Every row is
+// summed the same way wherever it sits (a last group of fewer than 4 rows repeats its last row), so a
+// query's scores do not depend on how many rows the batch around it made visible.
 static void dots(const float *q, const float *K, int na, int64_t D, float *out) {
     int a = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
-        for (; a + 4 <= na; a += 4) {
-            const float *k0 = K + size_t(a) * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        for (; a < na; a += 4) {
+            const int last = na - 1;
+            const float *k0 = K + size_t(a) * D, *k1 = K + size_t(std::min(a + 1, last)) * D,
+                        *k2 = K + size_t(std::min(a + 2, last)) * D, *k3 = K + size_t(std::min(a + 3, last)) * D;
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
             for (int64_t e = 0; e < D; e += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + e);
@@ -113,7 +117,13 @@ static void dots(const float *q, const float *K, int na, int64_t D, float *out) 
             const __m256 h01 = _mm256_hadd_ps(s0, s1), h23 = _mm256_hadd_ps(s2, s3);
             const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit lane: s0 s1 s2 s3 partials
             const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            _mm_storeu_ps(out + a, r);
+            if (a + 4 <= na) {
+                _mm_storeu_ps(out + a, r);
+            } else {
+                alignas(16) float t[4];
+                _mm_store_ps(t, r);
+                for (int j = 0; a + j < na; ++j) out[a + j] = t[j];
+            }
         }
     }
 #endif
@@ -260,7 +270,8 @@ static inline __m256 exp_nonpos(__m256 x) {
 }
 #endif
 
-// sc[a] = exp(sc[a] - m) for a < na; returns their sum.
+// sc[a] = exp(sc[a] - m) for a < na; returns their sum.  A last group of fewer than 8 is padded with
+// -inf (exactly 0 after the exp), so a score gets the same value and lane whatever follows it.
 static inline float exp_shifted(float *sc, int na, float m) {
     int a = 0;
     float l = 0.f;
@@ -271,6 +282,16 @@ static inline float exp_shifted(float *sc, int na, float m) {
         const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + a), mv));
         _mm256_storeu_ps(sc + a, e);
         acc = _mm256_add_ps(acc, e);
+    }
+    if (a < na) {
+        alignas(32) float t[8];
+        const int w = na - a;
+        for (int j = 0; j < 8; ++j) t[j] = j < w ? sc[a + j] : -std::numeric_limits<float>::infinity();
+        const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_load_ps(t), mv));
+        _mm256_store_ps(t, e);
+        for (int j = 0; j < w; ++j) sc[a + j] = t[j];
+        acc = _mm256_add_ps(acc, e);
+        a = na;
     }
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -426,15 +447,16 @@ inline __m512 row_scales(const char *const *rows, int64_t off) {
 }
 }  // namespace
 
-// One 32-element V block of the tile's rows added into N (head, query) rows' accumulators (acc rows
-// acc_stride floats apart), which are first scaled by their softmax corrections; pw: per row, 16 lanes
-// of p x V block scale, pstride floats apart.  N is a template parameter so the 2N accumulators stay in
-// registers.
+// One 32-element V block of the tile's rows added into N <= 4 (head, query) rows' accumulators (acc
+// rows acc_stride floats apart), which are first scaled by their softmax corrections; pw: per row, 16
+// lanes of p x V block scale, pstride floats apart.  N is a template parameter so the 4N accumulators
+// stay in registers.  Every row is summed the same way whatever N is (even and odd tile rows in two
+// accumulator sets, added at the end), so a query's result does not depend on the batch around it.
 template <int N>
 static inline void v_block_accumulate(float *acc, size_t acc_stride, const float *pw, size_t pstride,
                                       const float *corr, const char *const *vrow, int64_t boff, int cnt, bool v8) {
-    // Up to 4 rows: a second set of accumulators for odd tile rows, so that 4N chains hide the FMA latency.
-    constexpr int S = N <= 4 ? 2 : 1;
+    static_assert(N >= 1 && N <= 4, "4 rows at most: two accumulator sets of 2N registers each");
+    constexpr int S = 2;   // a second set of accumulators for odd tile rows: 4N chains hide the FMA latency
     __m512 A0[S][N], A1[S][N];
     for (int j = 0; j < N; ++j) {
         const __m512 c = _mm512_set1_ps(corr[j]);
@@ -531,7 +553,7 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
     const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2], n_kv = mask->ne[0];
     const int64_t Hkv = P->n_head_kv, G = H / Hkv, S = P->n_split, R = G * n, nb = D / 32;
     const RowAt k_at(k, P->rows, true), v_at(v, P->rows, false);
-    const int64_t range = (n_kv + S - 1) / S;
+    const int64_t range = P->range > 0 ? P->range : (n_kv + S - 1) / S;
     const bool k8 = k->type == GGML_TYPE_Q8_0, v8 = v->type == GGML_TYPE_Q8_0;
     const int64_t kbs = k8 ? 34 : 18, vbs = v8 ? 34 : 18;
     const size_t k_head = size_t(nb * kbs), v_head = size_t(nb * vbs);
@@ -738,8 +760,8 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
             // V: per block, up to 8 rows' accumulators in registers while the tile's rows are added.
             const char *const *vrow = vrow0;
             for (int64_t b = 0; b < nb; ++b)
-                for (int64_t r0 = 0; r0 < R; r0 += 8) {
-                    const int64_t rn = std::min<int64_t>(8, R - r0);
+                for (int64_t r0 = 0; r0 < R; r0 += 4) {   // 4 rows a call: every row summed the same way
+                    const int64_t rn = std::min<int64_t>(4, R - r0);
                     float *acc = &acc_[size_t(r0) * D + b * 32];
                     const float *pw = &pw_[(size_t(r0) * nb + b) * kLanes];
                     const float *corr = &corr_[size_t(r0)];
@@ -747,7 +769,6 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                     switch (rn) {
 #define KVF_V_CASE(N) case N: v_block_accumulate<N>(acc, size_t(D), pw, pstride, corr, vrow, b * vbs + 2, cnt, v8); break;
                         KVF_V_CASE(1) KVF_V_CASE(2) KVF_V_CASE(3) KVF_V_CASE(4)
-                        KVF_V_CASE(5) KVF_V_CASE(6) KVF_V_CASE(7) KVF_V_CASE(8)
 #undef KVF_V_CASE
                     }
                 }
@@ -781,7 +802,7 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     if (tiled_applies(P, k, v, D)) return attn_partial_tiled(dst, ith, nth, P);
 #endif
     const int64_t Hkv = P->n_head_kv, G = H / Hkv, S = P->n_split;
-    const int64_t range = (n_kv + S - 1) / S;
+    const int64_t range = P->range > 0 ? P->range : (n_kv + S - 1) / S;
     const row_to_f32 tk = converter(k->type), tv = converter(v->type);
     const size_t k_head = ggml_row_size(k->type, D), v_head = ggml_row_size(v->type, D);
     const RowAt k_at(k, P->rows, true), v_at(v, P->rows, false);
@@ -916,6 +937,12 @@ static void attn_reduce(ggml_tensor *dst, int ith, int nth, void *) {
         const float inv = L > 0.f ? 1.f / L : 0.f;
         for (int64_t e = 0; e < D; ++e) out[e] *= inv;
     }
+}
+
+SplitK split_for(int64_t n_kv) {
+    int64_t range = 256;
+    while ((n_kv + range - 1) / range > 32) range *= 2;
+    return {int32_t(std::max<int64_t>(1, (n_kv + range - 1) / range)), int32_t(range)};
 }
 
 bool pool_attention_tiled_available() {
@@ -1160,9 +1187,10 @@ AttnBenchResult bench_pool_attention(int32_t n_kv, int32_t D, int32_t H, int32_t
     params.scale = 1.f / std::sqrt(float(D));
     params.quant_dots = quant_dots;
     params.tiled = tiled;
-    // the runtime's choice of ranges (runtime.cpp)
-    params.n_split = int32_t(std::max<int64_t>(1, std::min<int64_t>(
-        {std::max<int64_t>(n_kv / 256, (2 * n_threads + Hkv - 1) / Hkv), 32, n_kv / 64})));
+    // the runtime's choice of ranges
+    const SplitK sk = split_for(n_kv);
+    params.n_split = sk.n_split;
+    params.range = sk.range;
     ggml_cgraph *gf = ggml_new_graph(ctx);
     std::vector<const uint8_t *> bufs;
     for (int32_t l = 0; l < n_layers; ++l) {

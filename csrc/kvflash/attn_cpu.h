@@ -32,6 +32,10 @@ struct RowTable {
 struct PoolAttnParams {
     int32_t n_head_kv = 1;
     int32_t n_split = 1;   // pool ranges (split-K)
+    // Slots per range (0: n_kv / n_split rounded up).  A range size that does not follow n_kv keeps a
+    // query's partial sums the same whatever the batch and the attended extent around it (see
+    // split_for): the runtime sets it.
+    int32_t range = 0;
     float scale = 1.f;
     // q8_0 / q4_0 K: integer dots against a quantized query (ggml's q8_0 activation rounding) instead
     // of f32 dots.  Where the tiled AVX-512 kernel is compiled and both K and V are q8_0 / q4_0 that
@@ -45,6 +49,13 @@ struct PoolAttnParams {
     // outlive the graph's computations) and k / v are only the graph's order (the pool's writes).
     const RowTable *rows = nullptr;
 };
+
+// The split-K geometry for n_kv attended slots (a multiple of 256): ranges of 256 slots up to 8K, then
+// of 512, 1024, ... so that there are at most 32.  The range size changes only where n_kv passes a
+// power of two, so a one-token step and a batch (a verification pass) over nearly the same extent cut
+// the rows into the same ranges: the same partial sums, bit for bit.  Returns {n_split, range}.
+struct SplitK { int32_t n_split, range; };
+SplitK split_for(int64_t n_kv);
 
 // Whether this build has the tiled kernel for q8_0 / q4_0 K and V (AVX-512 F/BW/VL/VNNI at compile
 // time); the runtime then uses it for those pools.

@@ -146,12 +146,17 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
         ggml_set_input(g.swa_slots);
         ggml_set_input(g.swa_mask);
     }
-    auto n_split = [&](int64_t n_kv) {
-        const int64_t want = std::max<int64_t>(n_kv / 256, (2 * model_->n_threads() + hp.n_head_kv - 1) / hp.n_head_kv);
-        return int32_t(std::max<int64_t>(1, std::min<int64_t>({want, 32, n_kv / 64})));
+    // Ranges that do not follow the extent (split_for): a decode step and a verification batch agree.
+    auto params = [&](int64_t n_kv) {
+        const SplitK sk = split_for(n_kv);
+        PoolAttnParams p;
+        p.n_head_kv = hp.n_head_kv;
+        p.n_split = sk.n_split;
+        p.range = sk.range;
+        return p;   // the scale is the family's, set by Forward::attention
     };
-    g.attn = {hp.n_head_kv, n_split(n_kv_pool), 1.0f};   // the scale is the family's, set by Forward::attention
-    g.attn_swa = {hp.n_head_kv, n_split(swa_tokens_), 1.0f};
+    g.attn = params(n_kv_pool);
+    g.attn_swa = params(swa_tokens_);
     // quant_dots stays off: the query keeps its f32 values (the tiled kernel widens q8_0 / q4_0 keys to
     // f32 instead).  Rounding the query per block as ggml does moved SmolLM2's attention outputs by 1-2%
     // per layer (issue 21's note).
