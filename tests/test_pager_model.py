@@ -229,7 +229,7 @@ class Model:
         return moved
 
     def truncate(self, n_past):
-        for c in range(n_past // C, self.head + 1):
+        for c in range(self.head, n_past // C - 1, -1):   # last chunk first (its block is freed first)
             self.written[c] = {i for i in self.written[c] if c * C + i < n_past}
             if not self.written[c]:
                 if self.block[c] >= 0:

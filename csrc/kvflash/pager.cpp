@@ -308,7 +308,10 @@ void Pager::truncate(int64_t n_past) {
         throw std::out_of_range("truncate: n_past " + std::to_string(n_past) + " outside [0, max_ctx=" +
                                 std::to_string(cfg_.max_ctx) + "]");
     const int32_t C = cfg_.chunk_tokens;
-    for (int64_t c = n_past / C; c <= head_; ++c) {
+    // Last chunk first: its block goes on the free list first, so the lowest freed block is taken
+    // next and a full cache (pool = context) keeps block = chunk through truncations -- its
+    // attention then walks the rows in position order every time, whatever ran before.
+    for (int64_t c = head_; c >= n_past / C; --c) {
         for (int32_t i = 0; i < C; ++i) {
             if (int64_t(c) * C + i < n_past || !written(int32_t(c), i)) continue;
             written_[size_t(c) * words_ + i / 64] &= ~(uint64_t(1) << (i % 64));
