@@ -52,6 +52,31 @@ def test_row_table_reads_the_same_rows(kind, tiled, n, n_kv, table_rows):
     assert np.array_equal(plain, table)
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("H,Hkv", [(9, 3), (4, 1), (8, 2)])
+def test_a_query_does_not_depend_on_its_batch(kind, tiled, H, Hkv):
+    """Each query's output is the same alone or in a causal batch (what a verification pass needs to
+    reproduce one-token steps): the rows of a batch are accumulated as a lone query's are."""
+    rng = np.random.default_rng(H * 10 + Hkv)
+    D, n_kv, n = 64, 768, 6
+    k, _ = _rows(rng, kind, n_kv, Hkv * D)
+    v, _ = _rows(rng, kind, n_kv, Hkv * D)
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    p0 = 700
+    visible = (np.arange(n_kv)[None, :] <= p0 + np.arange(n)[:, None]).astype(np.uint8)
+    kw = dict(kv_type=kind, n_head_kv=Hkv, scale=0.125, n_split=3, n_threads=2, tiled=tiled)
+    batch = core.pool_attention(q, k, v, visible, **kw)
+    for i in range(n):
+        alone = core.pool_attention(q[i:i + 1], k, v, visible[i:i + 1], **kw)
+        assert np.array_equal(batch[i], alone[0]), i
+
+
+def test_split_ranges_follow_powers_of_two():
+    assert [tuple(core.split_for(n)) for n in (256, 512, 8192, 8448, 16384, 16640, 32768)] == [
+        (1, 256), (2, 256), (32, 256), (17, 512), (32, 512), (17, 1024), (32, 1024)]
+
+
 def test_row_table_rejects_a_negative_size():
     rng = np.random.default_rng(0)
     k, _ = _rows(rng, "q8_0", 8, 32)
@@ -106,6 +131,27 @@ def test_exact_eval_is_the_full_cache(tiny, arch):
     # a batch on top (a verification pass's shape) against the full cache's batch
     more = _ids(9, seed=3)
     assert np.array_equal(paged.eval(more, all_logits=True, exact=True), full.eval(more, all_logits=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "f16"])
+def test_batch_logits_are_one_token_steps(tiny, arch, kv_type):
+    """The full cache gives a token the same logits in a batch as in a one-token step, across a 256-slot
+    edge too: the ground exact mode's greedy identity stands on (gemma3: its sliding-window ring is
+    grouped otherwise in a batch, so a rounding apart there)."""
+    m = core.Model(tiny(arch), n_threads=2)
+    a = core.Runtime(m, max_ctx=1024, pool_tokens=0, chunk_tokens=C, kv_type=kv_type)
+    b = core.Runtime(m, max_ctx=1024, pool_tokens=0, chunk_tokens=C, kv_type=kv_type)
+    ids = _ids(253, seed=12)
+    a.eval(ids)
+    b.eval(ids)
+    more = _ids(7, seed=13)
+    batch = a.eval(more, all_logits=True)
+    steps = np.stack([b.eval(more[i:i + 1]) for i in range(len(more))])
+    if arch == "gemma3":
+        _rounding_apart(batch, steps)
+    else:
+        assert np.array_equal(batch, steps)
 
 
 def test_exact_eval_refuses_ggml_attention(tiny):
@@ -278,3 +324,20 @@ def test_exact_session_snapshot_round_trip(tiny, tmp_path):
     _, a = _run(ex, None, 12)
     _, b = _run(back, None, 12)
     assert a == b
+
+
+def test_full_cache_keeps_identity_placement_through_truncation(tiny):
+    """The full cache's blocks stay block = chunk after truncations (its attention walks rows in position
+    order every time, which is what exact mode reproduces), so repeating a prompt repeats its logits."""
+    m = core.Model(tiny("llama"), n_threads=2)
+    rt = core.Runtime(m, max_ctx=2048, pool_tokens=0, chunk_tokens=C, ubatch=UBATCH)
+    ids = _ids(600, seed=9)
+    rt.eval(ids[:400])
+    first = rt.eval(ids[400:])
+    for cut in (390, 137, 399):
+        rt.truncate(cut)
+        rt.eval(ids[cut:400])
+        again = rt.eval(ids[400:])
+        blocks = rt.pager.chunk_table()["block"][: -(-600 // C)]
+        assert list(blocks) == list(range(len(blocks)))
+        assert np.array_equal(again, first)
