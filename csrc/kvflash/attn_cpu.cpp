@@ -390,21 +390,29 @@ static row_to_f32 converter(ggml_type t) {
 }
 static constexpr uint16_t kF16NegInf = 0xFC00;
 
-// Where row s of a K or V operand starts: the tensor's own row s, or the row table's.
+// Where row s of a K or V operand starts: the tensor's own row s, or the row table's (chunk sizes are
+// powers of two in practice: a shift and a mask, not a division, per row).
 struct RowAt {
     const char *base;
     size_t nb1;
     const char *const *chunks = nullptr;
-    int64_t rows = 0;
+    int64_t rows = 0, mask = -1;
+    int shift = -1;
     RowAt(const ggml_tensor *t, const RowTable *tab, bool is_k)
         : base(static_cast<const char *>(t->data)), nb1(t->nb[1]) {
         if (tab) {
             chunks = is_k ? tab->k.data() : tab->v.data();
             rows = tab->chunk_rows;
+            if ((rows & (rows - 1)) == 0) {
+                shift = __builtin_ctzll(uint64_t(rows));
+                mask = rows - 1;
+            }
         }
     }
     const char *operator()(int64_t s) const {
-        return chunks ? chunks[s / rows] + size_t(s % rows) * nb1 : base + size_t(s) * nb1;
+        if (!chunks) return base + size_t(s) * nb1;
+        if (shift >= 0) return chunks[s >> shift] + size_t(s & mask) * nb1;
+        return chunks[s / rows] + size_t(s % rows) * nb1;
     }
 };
 

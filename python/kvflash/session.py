@@ -123,14 +123,20 @@ MAX_DRAFT = 16   # drafts per exact-mode round, at most
 
 
 class _SpecStats:
-    """Exact mode's counters, and the draft length chosen from them: per round the expected
-    tokens (1 - a^(k+1)) / (1 - a) for a per-draft acceptance a, over its cost k * t_draft +
-    t_verify, both measured (moving averages); 8 drafts until there is something to go on."""
+    """Exact mode's counters, and the draft length chosen from them.  A round of k drafts keeps
+    (1 - a^(k+1)) / (1 - a) tokens on average (a: the per-draft acceptance) and costs
+    k * t_draft + t_fixed + (k + 1) * t_token: drafts, then a verification pass whose cost has a
+    part paid once (weights and the context's K/V read) and a part per token (on the CPU a batch's
+    products cost about in proportion to its tokens).  t_fixed and t_token come from a least-squares
+    line through the recent passes (the first rounds alternate 2 and 8 drafts to have two lengths);
+    k = 0, no drafts, is a verification pass of the pending token alone: the full cache's own step,
+    chosen when drafting does not pay.  All moving averages over the last rounds."""
 
     def __init__(self):
         self.rounds = self.drafted = self.kept = 0
         self.draft_ms = self.verify_ms = 0.0
-        self._a, self._td, self._tv = 0.8, None, None
+        self._a, self._td = 0.8, None
+        self._passes: list = []   # (tokens verified, ms) of the recent rounds
 
     def add(self, r: dict) -> None:
         self.rounds += 1
@@ -143,14 +149,29 @@ class _SpecStats:
             self._a = (1 - w) * self._a + w * (r["n_kept"] / r["n_draft"])
             td = r["draft_ms"] / r["n_draft"]
             self._td = td if self._td is None else (1 - w) * self._td + w * td
-        self._tv = r["verify_ms"] if self._tv is None else (1 - w) * self._tv + w * r["verify_ms"]
+        self._passes = (self._passes + [(r["n_draft"] + 1, r["verify_ms"])])[-24:]
+
+    def _verify_line(self):
+        """(t_fixed, t_token) of the recent verification passes, or None with fewer than two lengths."""
+        m = len(self._passes)
+        if len({p[0] for p in self._passes}) < 2:
+            return None
+        sn = sum(p[0] for p in self._passes)
+        st = sum(p[1] for p in self._passes)
+        snn = sum(p[0] * p[0] for p in self._passes)
+        snt = sum(p[0] * p[1] for p in self._passes)
+        b = (m * snt - sn * st) / (m * snn - sn * sn)
+        f = (st - b * sn) / m
+        return max(f, 0.0), max(b, 1e-6)
 
     def choose_k(self) -> int:
-        if self._td is None or self._tv is None:
-            return 8
-        a = min(max(self._a, 0.05), 0.98)
-        return max(range(2, MAX_DRAFT + 1),
-                   key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * self._td + self._tv))
+        line = self._verify_line() if self._td is not None else None
+        if line is None:   # explore: two draft lengths, so the pass's fixed and per-token parts separate
+            return 8 if self.rounds % 2 else 2
+        f, b = line
+        a = min(max(self._a, 0.0), 0.98)
+        return max(range(0, MAX_DRAFT + 1),
+                   key=lambda k: ((1 - a ** (k + 1)) / (1 - a)) / (k * self._td + f + (k + 1) * b))
 
     def stats(self, decode_s: float) -> dict:
         return {
