@@ -390,6 +390,10 @@ static row_to_f32 converter(ggml_type t) {
 }
 static constexpr uint16_t kF16NegInf = 0xFC00;
 
+// Stands in for rows no query of a tile sees (free, evicted or unwritten slots may hold any bytes):
+// zero scales, zero values, so they add exact zeros.  Wide enough for a 2048-element f16 head.
+alignas(64) static const char kZeroRow[4096] = {};
+
 // Where row s of a K or V operand starts: the tensor's own row s, or the row table's (chunk sizes are
 // powers of two in practice: a shift and a mask, not a division, per row).
 struct RowAt {
@@ -634,28 +638,29 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
                                                                   (g * G + hh) * q->nb[1] + i * q->nb[2]);
                 if (int_dots) quantize_query(qv, D, &qs_[r * D], &qd_[r * nb], &qsum_[r * nb]);
             }
-        // Visible slots come from 32-slot windows of the mask (any query's), taken 16 at a time.
-        int64_t win = s0, base = s0;
-        uint32_t pend = 0;
+        // Tiles are 16-slot groups in place (not compacted): a group any query sees part of is taken
+        // whole, its lanes masked per query.  A slot then has the same lane and tile whatever the other
+        // queries of the batch see (a sliding window's lower edge differs per query), so a query's sums
+        // do not depend on its batch; groups no query sees are skipped.
+        int64_t grp = s0;
         for (;;) {
             int32_t slot[kLanes];
             int cnt = 0;
-            while (cnt < kLanes) {
-                if (pend == 0) {
-                    if (win >= s1) break;
-                    const int64_t w = std::min<int64_t>(32, s1 - win);
-                    const __mmask32 inwin = w == 32 ? ~__mmask32(0) : __mmask32((1u << w) - 1u);
-                    __mmask32 vis = 0;
-                    for (int64_t i = 0; i < n; ++i)
-                        vis |= _mm512_mask_cmpneq_epi16_mask(inwin, _mm512_maskz_loadu_epi16(inwin, mask_row(i) + win),
-                                                             _mm512_set1_epi16(short(kF16NegInf)));
-                    pend = uint32_t(vis);
-                    base = win;
-                    win += w;
-                    continue;
-                }
-                slot[cnt++] = int32_t(base + __builtin_ctz(pend));
-                pend &= pend - 1;
+            uint32_t seen_any = 0;   // lanes some query sees; the others read a zero row (they may hold anything)
+            while (grp < s1) {
+                const int64_t w = std::min<int64_t>(kLanes, s1 - grp);
+                const __mmask32 inwin = __mmask32((1u << w) - 1u);
+                __mmask32 vis = 0;
+                for (int64_t i = 0; i < n; ++i)
+                    vis |= _mm512_mask_cmpneq_epi16_mask(inwin, _mm512_maskz_loadu_epi16(inwin, mask_row(i) + grp),
+                                                         _mm512_set1_epi16(short(kF16NegInf)));
+                const int64_t g0 = grp;
+                grp += w;
+                if (!vis) continue;
+                for (int a = 0; a < int(w); ++a) slot[a] = int32_t(g0 + a);
+                cnt = int(w);
+                seen_any = uint32_t(vis);
+                break;
             }
             if (cnt == 0) break;
 #if defined(__GNUC__)
@@ -675,8 +680,9 @@ static void attn_partial_tiled(ggml_tensor *dst, int ith, int nth, const PoolAtt
             const char *krow[kLanes];
             const char *vrow0[kLanes];
             for (int a = 0; a < kLanes; ++a) {
-                krow[a] = k_at(slot[a]) + g * k_head;
-                vrow0[a] = v_at(slot[a]) + g * v_head;
+                const bool live = (seen_any >> a) & 1u;
+                krow[a] = live ? k_at(slot[a]) + g * k_head : kZeroRow;
+                vrow0[a] = live ? v_at(slot[a]) + g * v_head : kZeroRow;
             }
             // K: the transposed tile and the block scales; V: the block scales.
             for (int64_t b = 0; b < nb; ++b) {
@@ -820,6 +826,7 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     const int64_t nb = D / 32;
     thread_local std::vector<float> Kt, Vt, sc, acc, mrow, lrow;
     thread_local std::vector<int32_t> vis;
+    thread_local std::vector<uint8_t> live;   // per tile slot: does any query see it
     thread_local std::vector<uint8_t> kq;   // the tile's unpacked keys (unpack_keys)
     thread_local std::vector<float> kd;
     thread_local QuantQuery qq;
@@ -837,6 +844,7 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     mrow.resize(size_t(G) * n);
     lrow.resize(size_t(G) * n);
     vis.resize(kTile);
+    live.resize(kTile);
 
     for (int64_t item = ith; item < Hkv * S; item += nth) {
         const int64_t g = item / S, sp = item % S;
@@ -874,15 +882,21 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
                     const auto *mr = reinterpret_cast<const uint16_t *>(static_cast<const char *>(mask->data) + i * mask->nb[1]);
                     any = mr[t0 + j] != kF16NegInf;
                 }
-                if (any) vis[nvis++] = int32_t(j);
+                live[j] = any;
+                if (any) ++nvis;
             }
             if (nvis == 0) continue;
+            // The whole tile in place (masked slots add exact zeros; slots no query sees are zero rows,
+            // whatever bytes they hold): a slot keeps its lane whatever the other queries of the batch
+            // see, so a query's sums do not depend on its batch.
+            nvis = int(nt);
+            for (int a = 0; a < nvis; ++a) vis[a] = a;
             for (int a = 0; a < nvis; ++a) {
                 const int64_t s = t0 + vis[a];
-                const char *krow = k_at(s) + g * k_head;
+                const char *krow = live[a] ? k_at(s) + g * k_head : kZeroRow;
                 if (int_k) unpack_keys(k->type, reinterpret_cast<const uint8_t *>(krow), nb, &kq[size_t(a) * D], &kd[size_t(a) * nb]);
                 else tk(krow, &Kt[size_t(a) * D], D);
-                tv(v_at(s) + g * v_head, &Vt[size_t(a) * D], D);
+                tv(live[a] ? v_at(s) + g * v_head : kZeroRow, &Vt[size_t(a) * D], D);
             }
             for (int64_t i = 0; i < n; ++i) {
                 const auto *mr = reinterpret_cast<const uint16_t *>(static_cast<const char *>(mask->data) + i * mask->nb[1]);
@@ -965,6 +979,7 @@ ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *
                                 const PoolAttnParams *params) {
     GGML_ASSERT(q->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F16);
     GGML_ASSERT(mask->ne[1] >= q->ne[2]);
+    GGML_ASSERT(ggml_row_size(k->type, q->ne[0]) <= sizeof(kZeroRow) && ggml_row_size(v->type, q->ne[0]) <= sizeof(kZeroRow));
     // With a row table its owner fills it before each compute, covering every attended row.
     if (!params->rows) GGML_ASSERT(k->ne[1] == mask->ne[0] && v->ne[1] == k->ne[1]);
     const int64_t D = q->ne[0], H = q->ne[1], n = q->ne[2];
