@@ -98,15 +98,18 @@ _MODELS: dict = {}
 def tiny(tmp_path_factory):
     """tiny(arch) -> GGUF path of a 2-layer model (gemma3: 6 layers, 5 sliding, window 16)."""
 
-    def get(arch):
-        if arch not in _MODELS:
-            kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, weight_type="f32", seed=11)
+    def get(arch, weights="f32"):
+        key = (arch, weights)
+        if key not in _MODELS:
+            kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, weight_type=weights, seed=11)
+            if weights.endswith("_K"):   # K-quants: rows of 256
+                kw.update(n_embd=256, n_head=8, n_ff=512)
             if arch == "gemma3":
                 kw.update(n_layer=6, gemma_sliding_window=16)
-            path = tmp_path_factory.mktemp("exact") / f"{arch}.gguf"
+            path = tmp_path_factory.mktemp("exact") / f"{arch}-{weights}.gguf"
             write_tiny_model(path, arch, **kw)
-            _MODELS[arch] = str(path)
-        return _MODELS[arch]
+            _MODELS[key] = str(path)
+        return _MODELS[key]
 
     yield get
     _MODELS.clear()
@@ -155,6 +158,41 @@ def test_batch_logits_are_one_token_steps(tiny, arch, kv_type):
     assert np.array_equal(batch, steps)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_one_row_products_are_one_token_steps(tiny, arch):
+    """ggml's batched products for a repacked q4_K weight (the 4-row gemm) round differently from its
+    one-row product (gemv), so a batch's logits are not one-token steps' -- which is what the full cache
+    decodes.  one_row_products=True gives each token of the batch the one-row arithmetic: the same
+    logits bit for bit, on the full cache and through exact mode's row tables alike."""
+    m = core.Model(tiny(arch, "q4_K"), n_threads=2)
+    rts = [core.Runtime(m, max_ctx=1024, pool_tokens=0, chunk_tokens=C, ubatch=UBATCH) for _ in range(3)]
+    paged = core.Runtime(m, max_ctx=1024, pool_tokens=POOL, chunk_tokens=C, ubatch=UBATCH)
+    ids = _ids(500, seed=21)
+    for rt in rts:
+        rt.eval(ids)
+    paged.eval(ids, exact=True)
+    more = _ids(9, seed=22)
+    steps = np.stack([rts[0].eval(more[i:i + 1]) for i in range(len(more))])
+    batch = rts[1].eval(more, all_logits=True)
+    one_row = rts[2].eval(more, all_logits=True, one_row_products=True)
+    verified = paged.eval(more, all_logits=True, exact=True, one_row_products=True)
+    assert not np.array_equal(batch, steps)   # the model is batch-variant: the test has something to catch
+    assert np.array_equal(one_row, steps)
+    assert np.array_equal(verified, steps)
+    assert paged.pager.stats["host_chunks"] > 0
+
+
+def test_one_row_products_on_one_token_is_the_plain_step(tiny):
+    """For one token the flag changes nothing (the plain one-token graph)."""
+    m = core.Model(tiny("llama", "q4_K"), n_threads=1)
+    rt = core.Runtime(m, max_ctx=256, pool_tokens=0, chunk_tokens=C)
+    rt.eval(_ids(40))
+    tok = _ids(1, seed=9)
+    a = rt.eval(tok, one_row_products=True)
+    rt.truncate(rt.n_past - 1)
+    assert np.array_equal(a, rt.eval(tok))
+
+
 def test_exact_eval_refuses_ggml_attention(tiny):
     m = core.Model(tiny("llama"), n_threads=1)
     rt = core.Runtime(m, max_ctx=1024, pool_tokens=POOL, chunk_tokens=C, attn="ggml")
@@ -165,11 +203,11 @@ def test_exact_eval_refuses_ggml_attention(tiny):
 
 # --------------------------------------------------------------------------- 3. greedy sessions
 
-def _rounding_apart(got, want):
-    """Logits of a verification batch against the full cache's one-token step.  The attention op is
-    batch-invariant (test_batch_logits_are_one_token_steps), but ggml's quantized and repacked matrix
-    kernels need not be for every weight type, so a rounding apart is what the session tests ask."""
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+def _same_logits(got, want):
+    """Logits of a verification batch against the full cache's one-token step: the attention op is
+    batch-invariant (test_batch_logits_are_one_token_steps) and the verification's matrix products take
+    one-row arithmetic (test_one_row_products_are_one_token_steps), so they are equal bit for bit."""
+    assert np.array_equal(got, want)
 
 
 def _session(path, exact, policy="lru", **kw):
@@ -182,9 +220,11 @@ def _run(s, prompt, n, **kw):
     return text, list(s.tokens)
 
 
-@pytest.mark.parametrize("arch,policy", [("llama", "lru"), ("llama", "qk"), ("gemma3", "lru")])
-def test_greedy_tokens_are_the_full_cache(tiny, arch, policy):
-    path = tiny(arch)
+@pytest.mark.parametrize("arch,policy,weights", [("llama", "lru", "f32"), ("llama", "qk", "f32"), ("gemma3", "lru", "f32"),
+                                                 ("llama", "qk", "q4_K"), ("gemma3", "qk", "q4_K")])
+def test_greedy_tokens_are_the_full_cache(tiny, arch, policy, weights):
+    """q4_K: repacked weights whose batched products differ from one-row ones (as Gemma-3's Q4_K_M)."""
+    path = tiny(arch, weights)
     prompt = _ids(PROMPT, seed=4)
     full = _session(path, None)
     ex = _session(path, True, policy=policy)
@@ -193,8 +233,11 @@ def test_greedy_tokens_are_the_full_cache(tiny, arch, policy):
     _, got = _run(ex, prompt, 64)
     _, approx = _run(pooled, prompt, 64)
     assert got == want
-    _rounding_apart(ex.logits(), full.logits())
+    _same_logits(ex.logits(), full.logits())
     assert ex.runtime.n_past == full.runtime.n_past == len(want)
+    # every K/V row the rounds kept is the full cache's: one more token over the whole context agrees
+    probe = _ids(1, seed=77)
+    _same_logits(ex.runtime.eval(probe, exact=True), full.runtime.eval(probe))
     st = ex.stats
     assert st["exact_rounds"] > 0 and st["exact_drafted"] > 0
     assert 0 <= st["acceptance_rate"] <= 1 and 0 < st["verify_share"] < 1
@@ -217,7 +260,7 @@ def test_greedy_rounds_cut_by_max_tokens_and_continue(tiny):
         _, got = _run(ex, None, n)
         assert got == want
         assert ex.runtime.n_past == len(got)
-        _rounding_apart(ex.logits(), full.logits())
+        _same_logits(ex.logits(), full.logits())
     assert ex.stats["exact_drafted"] > 0
 
 

@@ -215,8 +215,14 @@ def write_tiny_model(
     """
     if arch not in ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {ARCHS}")
-    if weight_type not in ("f32", "f16"):
-        raise ValueError("weight_type must be 'f32' or 'f16'")
+    quant = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+             "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_K": gguf.GGMLQuantizationType.Q4_K,
+             "q6_K": gguf.GGMLQuantizationType.Q6_K}
+    if weight_type not in ("f32", "f16", *quant):
+        raise ValueError(f"weight_type must be 'f32', 'f16' or one of {sorted(quant)}")
+    block = 256 if weight_type.endswith("_K") else 32
+    if weight_type in quant and (n_embd % block or n_ff % block or (n_head * head_dim) % block):
+        raise ValueError(f"{weight_type} weights need n_embd, n_ff and n_head*head_dim multiples of {block}")
     if n_head % n_head_kv != 0:
         raise ValueError("n_head must be a multiple of n_head_kv")
     if head_dim % 2 != 0:
@@ -237,6 +243,15 @@ def write_tiny_model(
 
     def mat(name: str, rows: int, cols: int, std: float) -> None:
         a = (rng.standard_normal((rows, cols)) * std).astype(np_wtype)
+        if weight_type in quant:   # stored quantized; the exact weights are the dequantized values
+            if weight_type.endswith("_K"):   # gguf-py cannot quantize K-quants: ggml's own, through kvflash
+                from kvflash import _core
+                q = _core.quantize_rows(a, weight_type)
+            else:
+                q = gguf.quants.quantize(a, quant[weight_type])
+            file_arrays[name] = (q, quant[weight_type])
+            weights[name] = gguf.quants.dequantize(q, quant[weight_type]).astype(np.float64)
+            return
         file_arrays[name] = a
         weights[name] = a.astype(np.float64)
 
@@ -278,8 +293,10 @@ def write_tiny_model(
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)  # writes general.architecture
     w.add_name(f"tiny-{arch}")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16"
-                        else gguf.LlamaFileType.ALL_F32))
+    w.add_file_type(int({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                         "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                         "q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q6_K": gguf.LlamaFileType.MOSTLY_Q6_K}
+                        .get(weight_type, gguf.LlamaFileType.ALL_F32)))
     if ctx_len < 2**32:
         w.add_context_length(ctx_len)
     else:  # a context_length past 32 bits, as a hostile or mistaken GGUF may declare
@@ -335,7 +352,10 @@ def write_tiny_model(
         _add_extra_kv(w, k, v)
 
     for name, a in file_arrays.items():
-        w.add_tensor(name, a)
+        if isinstance(a, tuple):
+            w.add_tensor(name, a[0], raw_dtype=a[1])
+        else:
+            w.add_tensor(name, a)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -121,7 +121,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
             ref.busy = &r->busy;
             return ref;
         })
-        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits, bool exact) {
+        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits, bool exact, bool one_row_products) {
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(tokens);
                  if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval: too many tokens in one call");
@@ -133,15 +133,18 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      py::gil_scoped_release nogil;
                      EvalOptions opt;
                      opt.exact = exact;
+                     opt.one_row_products = one_row_products;
                      r.rt->eval(t.data(), n, all_logits, o, opt);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
                  return out;
              }, py::arg("tokens"), py::arg("all_logits") = false, py::arg("exact") = false,
+             py::arg("one_row_products") = false,
              "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].  exact=True: "
              "attention over every position, resident rows from the pool and paged-out rows from the host store, "
-             "as the full cache computes it (CPU backend only).")
+             "as the full cache computes it (CPU backend only).  one_row_products=True: every token's matrix "
+             "products as a one-token eval computes them, bit for bit (CPU backend only; a verification pass).")
         .def("spec_round", [](PyRuntime &r, int32_t tok, int32_t k, float temperature, int32_t top_k, float top_p,
                               float min_p, std::vector<int32_t> stop_ids) {
                  if (r.rt->config().eval_layers > 0)

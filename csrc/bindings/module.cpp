@@ -105,6 +105,25 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(ggml_type_size(t), ggml_blck_size(t));
     }, py::arg("kv_type"), "(bytes per block, elements per block) of a KV type, from ggml's type traits.");
 
+    m.def("quantize_rows", [](py::array_t<float, py::array::c_style | py::array::forcecast> a, const std::string &type) {
+        if (a.ndim() != 2) throw std::invalid_argument("quantize_rows: a 2-D float32 array [rows, cols]");
+        int64_t found = -1;
+        for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+            const char *name = ggml_type_name(ggml_type(t));
+            if (name && type == name && ggml_get_type_traits(ggml_type(t))->blck_size > 0) found = t;
+        }
+        if (found < 0) throw std::invalid_argument("quantize_rows: unknown ggml type '" + type + "'");
+        const ggml_type t = ggml_type(found);
+        const int64_t rows = a.shape(0), cols = a.shape(1);
+        if (cols % ggml_blck_size(t)) throw std::invalid_argument("quantize_rows: " + std::to_string(cols) + " columns are not a "
+                                                                  "multiple of " + type + "'s block of " + std::to_string(ggml_blck_size(t)));
+        if (ggml_quantize_requires_imatrix(t)) throw std::invalid_argument("quantize_rows: " + type + " needs an importance matrix");
+        py::array_t<uint8_t> out({py::ssize_t(rows), py::ssize_t(ggml_row_size(t, cols))});
+        ggml_quantize_chunk(t, a.data(), out.mutable_data(), 0, rows, cols, nullptr);
+        return out;
+    }, py::arg("a"), py::arg("type"),
+       "ggml's own quantization of float32 rows to a ggml type ('q6_K', 'q4_K', 'q8_0', ...): uint8 [rows, row bytes] "
+       "(tests write K-quant weights with it).");
     m.def("split_for", [](int64_t n_kv) {
         if (n_kv < 1) throw std::invalid_argument("split_for: n_kv must be >= 1");
         const kvflash::SplitK sk = kvflash::split_for(n_kv);

@@ -1,5 +1,6 @@
 // The registry of architecture families, and the graph blocks they share.
 #include "kvflash/arch.h"
+#include "kvflash/one_row_cpu.h"
 
 #include <algorithm>
 
@@ -73,10 +74,15 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     return ggml_reshape_2d(ctx, att, int64_t(D) * H, n);
 }
 
+ggml_tensor *Forward::mm(ggml_tensor *w, ggml_tensor *x) const {
+    if (!one_row || x->ne[1] == 1) return ggml_mul_mat(ctx, w, x);
+    return one_row_products(ctx, w, x, model->plain(w));
+}
+
 ggml_tensor *Forward::head(ggml_tensor *x, bool all_logits) const {
     if (!all_logits && n > 1) x = ggml_view_2d(ctx, x, hp->n_embd, 1, x->nb[1], size_t(n - 1) * x->nb[1]);
     x = norm(x, model->output_norm);
-    ggml_tensor *logits = ggml_mul_mat(ctx, model->output_for(int32_t(x->ne[1])), x);
+    ggml_tensor *logits = mm(model->output_for(one_row ? 1 : int32_t(x->ne[1])), x);
     if (hp->final_softcap > 0.f) {
         logits = ggml_scale(ctx, logits, 1.0f / hp->final_softcap);
         logits = ggml_tanh(ctx, logits);

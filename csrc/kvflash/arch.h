@@ -74,6 +74,14 @@ struct Forward {
     bool pool_attn = false;                          // kvflash's CPU kernel, else ggml_flash_attn_ext
     int32_t n_capture = 0;                           // queries of the last n_capture tokens kept per paged layer
     std::vector<ggml_tensor *> q_out;                // captured queries: [D, H, n_capture] per paged layer
+    // Every token's matrix products as a one-token graph computes them (one_row_cpu.h): the weights
+    // of layer(il, 1), each column with ggml's one-row arithmetic.  Exact mode's verification pass.
+    bool one_row = false;
+
+    // The weights layer il multiplies by in this graph.
+    const LayerWeights &weights(int32_t il) const { return model->layer(il, one_row ? 1 : n); }
+    // w [K, M] times x [K, cols] -> [M, cols]: ggml_mul_mat, or one_row_products when one_row.
+    ggml_tensor *mm(ggml_tensor *w, ggml_tensor *x) const;
 
     // t: [n_embd or D, ...]; RMS norm times w.
     ggml_tensor *norm(ggml_tensor *t, ggml_tensor *w) const;

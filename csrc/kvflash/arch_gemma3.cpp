@@ -49,20 +49,20 @@ ggml_tensor *embed(Forward &f) {
 ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
     ggml_context *ctx = f.ctx;
     const Hparams &hp = *f.hp;
-    const LayerWeights &L = f.model->layer(il, f.n);
+    const LayerWeights &L = f.weights(il);
     ggml_tensor *cur = f.norm(x, L.attn_norm);
-    ggml_tensor *q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, cur), hp.head_dim_k, hp.n_head, f.n);     // [D, H, n]
-    ggml_tensor *k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hp.head_dim_k, hp.n_head_kv, f.n);  // [D, Hkv, n]
-    ggml_tensor *v = ggml_mul_mat(ctx, L.wv, cur);
+    ggml_tensor *q = ggml_reshape_3d(ctx, f.mm(L.wq, cur), hp.head_dim_k, hp.n_head, f.n);     // [D, H, n]
+    ggml_tensor *k = ggml_reshape_3d(ctx, f.mm(L.wk, cur), hp.head_dim_k, hp.n_head_kv, f.n);  // [D, Hkv, n]
+    ggml_tensor *v = f.mm(L.wv, cur);
     q = f.norm(q, L.q_norm);
     k = f.norm(k, L.k_norm);
     cur = f.attention(il, q, k, v, hp.attn_scale, 1.0f);
-    cur = f.norm(ggml_mul_mat(ctx, L.wo, cur), L.attn_post_norm);
+    cur = f.norm(f.mm(L.wo, cur), L.attn_post_norm);
     x = ggml_add(ctx, x, cur);
 
     cur = f.norm(x, L.ffn_norm);
-    cur = ggml_geglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, cur), ggml_mul_mat(ctx, L.ffn_up, cur));
-    cur = f.norm(ggml_mul_mat(ctx, L.ffn_down, cur), L.ffn_post_norm);
+    cur = ggml_geglu_split(ctx, f.mm(L.ffn_gate, cur), f.mm(L.ffn_up, cur));
+    cur = f.norm(f.mm(L.ffn_down, cur), L.ffn_post_norm);
     return ggml_add(ctx, x, cur);
 }
 

@@ -28,11 +28,11 @@ ggml_tensor *embed(Forward &f) { return ggml_get_rows(f.ctx, f.model->tok_embd, 
 ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
     ggml_context *ctx = f.ctx;
     const Hparams &hp = *f.hp;
-    const LayerWeights &L = f.model->layer(il, f.n);
+    const LayerWeights &L = f.weights(il);
     ggml_tensor *cur = f.norm(x, L.attn_norm);
-    ggml_tensor *q = ggml_mul_mat(ctx, L.wq, cur);
-    ggml_tensor *k = ggml_mul_mat(ctx, L.wk, cur);
-    ggml_tensor *v = ggml_mul_mat(ctx, L.wv, cur);
+    ggml_tensor *q = f.mm(L.wq, cur);
+    ggml_tensor *k = f.mm(L.wk, cur);
+    ggml_tensor *v = f.mm(L.wv, cur);
     if (L.bq) { q = ggml_add(ctx, q, L.bq); k = ggml_add(ctx, k, L.bk); v = ggml_add(ctx, v, L.bv); }
     q = ggml_reshape_3d(ctx, q, hp.head_dim_k, hp.n_head, f.n);     // [D, H, n]
     k = ggml_reshape_3d(ctx, k, hp.head_dim_k, hp.n_head_kv, f.n);  // [D, Hkv, n]
@@ -41,12 +41,12 @@ ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
         k = f.norm(k, L.k_norm);
     }
     cur = f.attention(il, q, k, v, 1.0f, hp.attn_scale);
-    cur = ggml_mul_mat(ctx, L.wo, cur);
+    cur = f.mm(L.wo, cur);
     x = ggml_add(ctx, x, cur);
 
     cur = f.norm(x, L.ffn_norm);
-    cur = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, cur), ggml_mul_mat(ctx, L.ffn_up, cur));
-    cur = ggml_mul_mat(ctx, L.ffn_down, cur);
+    cur = ggml_swiglu_split(ctx, f.mm(L.ffn_gate, cur), f.mm(L.ffn_up, cur));
+    cur = f.mm(L.ffn_down, cur);
     return ggml_add(ctx, x, cur);
 }
 

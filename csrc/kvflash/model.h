@@ -99,6 +99,8 @@ public:
     const LayerWeights &layer(int32_t il, int32_t n) const {
         return n == 1 && !decode_layers_.empty() ? decode_layers_[size_t(il)] : layers[size_t(il)];
     }
+    // w's bytes are ggml's own layout in the file mapping (no extra buffer converted them).
+    bool plain(const ggml_tensor *w) const { return w->buffer == buf_ && w->extra == nullptr; }
     ggml_tensor *output_for(int32_t n) const { return n == 1 && decode_output_ ? decode_output_ : output; }
 
 private:

@@ -1,4 +1,5 @@
 #include "kvflash/runtime.h"
+#include "kvflash/one_row_cpu.h"
 
 #include <algorithm>
 #include <chrono>
@@ -20,7 +21,7 @@ static double ms_since(clk::time_point t) { return std::chrono::duration<double,
 
 struct Runtime::Graph {
     int32_t n = 0, n_kv = 0;
-    bool all_logits = false, exact = false, capture_all = false;
+    bool all_logits = false, exact = false, capture_all = false, one_row = false;
     ggml_context *ctx = nullptr;
     ggml_cgraph *gf = nullptr;
     ggml_gallocr_t alloc = nullptr;
@@ -127,8 +128,11 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     g.all_logits = all_logits;
     g.exact = opt.exact;
     g.capture_all = opt.capture_all;
+    g.one_row = opt.one_row_products && n > 1;
     g.n_capture = cfg_.capture_queries <= 0 ? 0 : opt.capture_all ? n : std::min(n, cfg_.capture_queries);
-    const size_t max_nodes = 64 * size_t(hp.n_layer) + 256;
+    // one-row products: 7 matrices a layer and the head, each up to one_row_products_nodes (+1: the views)
+    const size_t one_row_nodes = g.one_row ? size_t(2 * one_row_products_nodes(n, false)) : 0;
+    const size_t max_nodes = (64 + 7 * one_row_nodes) * size_t(hp.n_layer) + 256 + one_row_nodes;
     g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
     ggml_init_params ip{g.meta.size(), g.meta.data(), true};
     g.ctx = ggml_init(ip);
@@ -171,6 +175,7 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     f.pos = g.pos;
     f.pool_attn = g.exact || use_pool_attn(n);   // exact: the CPU kernel (eval checked the backend)
     f.n_capture = g.n_capture;
+    f.one_row = g.one_row;
     if (g.exact) {
         const size_t np = size_t(cache_->pool->n_layers());
         g.tables.assign(np, RowTable{});
@@ -233,7 +238,7 @@ Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits, con
     // Exact graphs have a slot of their own, so a speculative round keeps its decode graph.
     std::unique_ptr<Graph> &slot = opt.exact ? exact_graph_ : n == 1 ? decode_graph_ : batch_graph_;
     if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits && slot->exact == opt.exact &&
-        slot->capture_all == opt.capture_all)
+        slot->capture_all == opt.capture_all && slot->one_row == (opt.one_row_products && n > 1))
         return slot.get();
     auto t0 = clk::now();
     slot.reset();  // its allocator's buffer goes before the new one is made
@@ -250,6 +255,9 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     if (opt.exact && !ggml_backend_is_cpu(model_->backend()))
         throw std::invalid_argument("eval: exact attention reads the host store from kvflash's CPU kernel; the model is on " +
                                     model_->device().name() + " (exact mode runs on the CPU backend only: device='cpu')");
+    if (opt.one_row_products && !ggml_backend_is_cpu(model_->backend()))
+        throw std::invalid_argument("eval: one-row products are the CPU backend's arithmetic; the model is on " +
+                                    model_->device().name());
     if (opt.exact && cfg_.attn == "ggml")
         throw std::invalid_argument("eval: exact attention is kvflash's CPU kernel; this runtime was made with attn='ggml'");
     if (n_past_ + n > cfg_.max_ctx)

@@ -67,6 +67,10 @@ struct EvalOptions {
     // Keep the queries of every token of the call beside the capture window (a verification pass
     // whose tail may be truncated away); trim_captured() brings the window back to capture_queries.
     bool capture_all = false;
+    // Matrix products with one-token arithmetic for every token of the call (one_row_cpu.h): the
+    // logits and K/V rows of each token are what a one-token eval computes, bit for bit, whatever the
+    // batch (ggml's batched kernels round differently).  A verification pass; the CPU backend only.
+    bool one_row_products = false;
 };
 
 // Thrown by Runtime::eval when its interrupt hook asked it to stop between pieces.

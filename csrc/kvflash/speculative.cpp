@@ -55,6 +55,7 @@ SpecRound speculative_round(Runtime &rt, Sampler &sampler, int32_t tok, int32_t 
         EvalOptions opt;
         opt.exact = true;
         opt.capture_all = true;
+        opt.one_row_products = true;   // the full cache decodes these one at a time
         rt.eval(seq.data(), int32_t(seq.size()), true, r.logits.data(), opt);
         r.verify_ms = ms_since(t0);
         Dist p;

@@ -684,7 +684,7 @@ class Session:
         self._tokens.extend(ahead)
         ahead.clear()
         if self._scored():
-            self._truncate(n)   # reads the capture window's tokens again (exactly), as truncate() does
+            self._truncate(n)   # reads the last token again with one-token arithmetic, as truncate() does
         else:
             self.runtime.truncate(n)
             del self._tokens[n:]
@@ -785,9 +785,10 @@ class Session:
             common = max(common, 0)
             if common < len(self._tokens):
                 # Cutting drops the captured queries past the cut: re-read enough of the kept
-                # prefix that the prompt's eval captures a whole window (scored policies).
+                # prefix that the prompt's eval captures a whole window (scored policies; exact
+                # mode cuts where the full cache cuts, so its cache keeps the full cache's bits).
                 cuts = [common]
-                if self._scored() and len(ids) - common < self._n_capture:
+                if self._scored() and not self.exact and len(ids) - common < self._n_capture:
                     cuts.insert(0, max(0, len(ids) - self._n_capture))
                 try:
                     for cut in cuts:
@@ -823,7 +824,10 @@ class Session:
             return
         if n_tokens == len(self._tokens):
             return
-        k = min(n_tokens, self._n_capture) if self._scored() else 1
+        # A scored policy's capture window is read again; exact mode reads back only the last token,
+        # as the full cache does (one-token arithmetic: the cache keeps the full cache's bits), and
+        # keeps the window's earlier queries that survive the cut.
+        k = min(n_tokens, self._n_capture) if self._scored() and not self.exact else 1
         try:
             try:
                 self.runtime.truncate(n_tokens - k)  # ValueError (ring) before anything changed
