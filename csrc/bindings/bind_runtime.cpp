@@ -145,6 +145,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              "attention over every position, resident rows from the pool and paged-out rows from the host store, "
              "as the full cache computes it (CPU backend only).  one_row_products=True: every token's matrix "
              "products as a one-token eval computes them, bit for bit (CPU backend only; a verification pass).")
+        .def("check_rpc_ops", [](PyRuntime &r, int32_t n) {
+                 InUse use(&r.busy);
+                 r.rt->check_remote_ops(n);
+             }, py::arg("n_tokens") = 1,
+             "Raise ValueError naming the first node of this runtime's graph (n_tokens tokens) that a ggml RPC "
+             "server must not be sent (kvflash's CPU attention op: use attn='ggml' for remote layers).")
         .def("spec_round", [](PyRuntime &r, int32_t tok, int32_t k, float temperature, int32_t top_k, float top_p,
                               float min_p, std::vector<int32_t> stop_ids) {
                  if (r.rt->config().eval_layers > 0)

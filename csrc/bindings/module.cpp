@@ -6,6 +6,7 @@
 #include "ggml-cpu.h"
 #include "kvflash/attn_cpu.h"
 #include "kvflash/limits.h"
+#include "kvflash/rpc.h"
 
 namespace kvflash::bindings {
 
@@ -124,6 +125,28 @@ PYBIND11_MODULE(_core, m) {
     }, py::arg("a"), py::arg("type"),
        "ggml's own quantization of float32 rows to a ggml type ('q6_K', 'q4_K', 'q8_0', ...): uint8 [rows, row bytes] "
        "(tests write K-quant weights with it).");
+    m.def("rpc_serve", [](const std::string &endpoint, int32_t threads, const std::string &cache_dir) {
+        py::gil_scoped_release nogil;
+        kvflash::rpc_serve(endpoint, threads, cache_dir);
+    }, py::arg("endpoint"), py::arg("threads") = 1, py::arg("cache_dir") = "",
+       "Serve this machine's CPU over ggml's RPC protocol at host:port; blocks while serving.  The protocol has no "
+       "authentication: loopback or a trusted network only.");
+    m.def("check_rpc_endpoint", &kvflash::check_rpc_endpoint, py::arg("endpoint"),
+          "ValueError unless endpoint is host:port with a port in [1, 65535].");
+    m.def("rpc_device_memory", [](const std::string &endpoint) {
+        py::gil_scoped_release nogil;
+        return kvflash::rpc_device_memory(endpoint);
+    }, py::arg("endpoint"), "(free, total) bytes of the RPC server's device; RuntimeError when none answers.");
+    m.def("rpc_round_trip", [](const std::string &endpoint, py::bytes data) {
+        std::string in = data;
+        std::vector<uint8_t> back;
+        {
+            py::gil_scoped_release nogil;
+            back = kvflash::rpc_round_trip(endpoint, std::vector<uint8_t>(in.begin(), in.end()));
+        }
+        return py::bytes(reinterpret_cast<const char *>(back.data()), back.size());
+    }, py::arg("endpoint"), py::arg("data"),
+       "data written into a buffer on the RPC server and read back (the remote pool's page-out/page-in path).");
     m.def("split_for", [](int64_t n_kv) {
         if (n_kv < 1) throw std::invalid_argument("split_for: n_kv must be >= 1");
         const kvflash::SplitK sk = kvflash::split_for(n_kv);

@@ -1,5 +1,6 @@
 #include "kvflash/runtime.h"
 #include "kvflash/one_row_cpu.h"
+#include "kvflash/rpc.h"
 
 #include <algorithm>
 #include <chrono>
@@ -458,6 +459,13 @@ void Runtime::set_exact_rows(Graph &g, int64_t pos0, int32_t n) {
     for (int32_t i = 0; i < n; ++i)
         std::fill_n(mask.begin() + size_t(i) * n_kv, std::min<int64_t>(n_kv, pos0 + i + 1), uint16_t(0));
     ggml_backend_tensor_set(g.mask, mask.data(), 0, sizeof(uint16_t) * mask.size());
+}
+
+void Runtime::check_remote_ops(int32_t n) {
+    if (n < 1) throw std::invalid_argument("check_remote_ops: need at least one token");
+    Graph g;
+    build(g, n, std::min(cache_->pool->pool_tokens(), 256), false, EvalOptions{});
+    check_rpc_graph(g.gf);
 }
 
 void Runtime::trim_captured() {

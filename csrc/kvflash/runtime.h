@@ -150,6 +150,11 @@ public:
     // Keep only the last capture_queries queries of the window (after a capture_all eval).
     void trim_captured();
 
+    // Whether this runtime's graph for n tokens could be placed on a ggml RPC device (rpc.h): throws
+    // std::invalid_argument naming the first node its server must not be sent (kvflash's CPU attention
+    // op with attn="pool"/"auto"; attn="ggml" graphs are made of stock ops).  Builds a graph, runs nothing.
+    void check_remote_ops(int32_t n);
+
 private:
     friend class Snapshot;   // snapshot.cpp: the ring, n_past and the captured queries
     struct Graph;

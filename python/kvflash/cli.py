@@ -96,6 +96,14 @@ def main(argv=None) -> int:
     sv.add_argument("--slot-save-path", default=None, help="directory for POST /slots/{id}?action=save|restore")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     sv.add_argument("--alias", default=None, help="the model's name in the API (default: the file's stem)")
+    rp = sub.add_parser("rpc-server", help="lend this machine's CPU to a client over ggml's RPC protocol "
+                                           "(no authentication: loopback or trusted networks only)")
+    rp.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --allow-remote)")
+    rp.add_argument("--port", type=int, default=50052)
+    rp.add_argument("--threads", type=int, default=0, help="compute threads (0: every core)")
+    rp.add_argument("--cache-dir", default=None, help="a directory where clients' large tensors are cached by hash")
+    rp.add_argument("--allow-remote", action="store_true",
+                    help="serve a non-loopback address (anyone who reaches it can run graphs on this machine)")
     sub.add_parser("bench", help="benchmarks (see `kvflash bench --help`)")
     a = ap.parse_args(argv)
     try:
@@ -106,6 +114,9 @@ def main(argv=None) -> int:
         if a.cmd == "serve":
             from .server import serve
             return serve(a)
+        if a.cmd == "rpc-server":
+            from .rpc import serve as rpc_serve
+            return rpc_serve(a)
         s = _make_session(a)
         if a.cmd == "generate":
             kw = dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p)

@@ -1,0 +1,120 @@
+"""ggml's RPC backend as kvflash uses it (issue 22, first part): the server subcommand on loopback, a
+client's HELLO that turns every connection failure into an exception (ggml's own client aborts the
+process), bytes through a remote buffer bit-exact, and the guard that keeps kvflash's CPU attention op
+away from remote devices."""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+core = pytest.importorskip("kvflash._core")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tinygguf import write_tiny_model  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvflash", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ep = f"127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            core.rpc_device_memory(ep)
+            break
+        except RuntimeError:
+            if proc.poll() is not None or time.time() > deadline:
+                out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
+                proc.kill()
+                pytest.fail(f"rpc-server did not come up: {out}")
+            time.sleep(0.2)
+    yield ep
+    proc.kill()
+    proc.wait()
+
+
+def test_server_answers_with_its_memory(server):
+    free, total = core.rpc_device_memory(server)
+    assert total > 0 and 0 < free <= total
+
+
+def test_bytes_through_a_remote_buffer_are_bit_exact(server):
+    data = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()   # 3 MiB: a pool block's worth
+    back = core.rpc_round_trip(server, data)
+    assert hashlib.sha256(back).hexdigest() == hashlib.sha256(data).hexdigest()
+    assert core.rpc_round_trip(server, b"") == b""
+
+
+def test_no_server_is_an_exception_not_an_abort():
+    port = _free_port()   # nothing listens there
+    with pytest.raises(RuntimeError, match="cannot connect"):
+        core.rpc_device_memory(f"127.0.0.1:{port}")
+
+
+def test_something_else_on_the_port_is_an_exception():
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    port = lst.getsockname()[1]
+
+    def answer_garbage():
+        conn, _ = lst.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    t = threading.Thread(target=answer_garbage, daemon=True)
+    t.start()
+    with pytest.raises(RuntimeError, match="did not answer as a ggml RPC server"):
+        core.rpc_device_memory(f"127.0.0.1:{port}")
+    t.join(5)
+    lst.close()
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", ":50052", "host:0", "host:70000", "host:12ab", "host:"])
+def test_endpoints_are_checked(bad):
+    with pytest.raises(ValueError, match="rpc endpoint"):
+        core.check_rpc_endpoint(bad)
+
+
+def test_cli_refuses_a_public_bind_without_allow_remote():
+    r = subprocess.run([sys.executable, "-m", "kvflash", "rpc-server", "--host", "0.0.0.0", "--port", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no authentication" in r.stderr and "--allow-remote" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvflash", "rpc-server", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--port" in r.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_custom_attention_op_is_never_sent_to_a_remote_device(tmp_path, arch):
+    kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    if arch == "gemma3":
+        kw.update(n_layer=6, gemma_sliding_window=16)
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch, **kw)
+    m = core.Model(str(path), n_threads=1)
+    pooled = core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16, attn="pool")
+    with pytest.raises(ValueError, match="custom op"):
+        pooled.check_rpc_ops(4)
+    stock = core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16, attn="ggml")
+    stock.check_rpc_ops(1)
+    stock.check_rpc_ops(4)
+    assert stock.n_past == 0 and pooled.n_past == 0
