@@ -118,3 +118,40 @@ def test_custom_attention_op_is_never_sent_to_a_remote_device(tmp_path, arch):
     stock.check_rpc_ops(1)
     stock.check_rpc_ops(4)
     assert stock.n_past == 0 and pooled.n_past == 0
+
+
+def test_pool_slice_on_a_remote_device_pages_bit_exact(server):
+    """A pool whose middle layer lives on the RPC server: chunks written, paged out to the client's host
+    store, recalled into other blocks, and read back through the server equal what was written (sha256
+    per position), as for the local layers; each page event moves the remote layer's rows over the wire."""
+    from kvflash import Pager
+    C, L = 16, 3
+    p = Pager(pool_tokens=256, max_ctx=1024, n_layers=L, n_embd_k=64, kv_type="q8_0", chunk_tokens=C,
+              layer_endpoints=["", server, ""])
+    assert p.layer_chunk_bytes == [C * 2 * 68] * L and p.chunk_bytes == sum(p.layer_chunk_bytes)
+    with pytest.raises(ValueError, match="not in host memory"):
+        p.k_rows(1)
+    rng = np.random.default_rng(3)
+    want = {}   # (layer, v, pos) -> sha256 of the row
+    for pos0 in range(0, 1024, C):
+        slots = p.alloc_span(pos0, C)
+        assert slots is not None
+        for il in range(L):
+            for v in (False, True):
+                rows = rng.integers(0, 256, (C, 68), dtype=np.uint8)
+                p.write_rows(il, slots, rows, v=v)
+                for j in range(C):
+                    want[(il, v, pos0 + j)] = hashlib.sha256(rows[j].tobytes()).digest()
+    assert p.stats["page_outs"] > 0 and p.stats["host_chunks"] > 0
+    t = p.chunk_table()
+    for c in range(1024 // C):
+        if t["block"][c] < 0:
+            assert p.recall(c)
+        got = {(il, v): p.read_rows(il, v=v) for il in range(L) for v in (False, True)}
+        for j in range(C):
+            s = p.slot_of(c * C + j)
+            for (il, v), rows in got.items():
+                assert hashlib.sha256(rows[s].tobytes()).digest() == want[(il, v, c * C + j)], (c, j, il, v)
+        t = p.chunk_table()
+    assert p.stats["page_ins"] > 0
+    p.check_invariants()

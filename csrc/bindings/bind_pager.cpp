@@ -4,6 +4,7 @@
 #include "bindings.h"
 #include "ggml-cpu.h"
 #include "kvflash/limits.h"
+#include "kvflash/rpc.h"
 
 namespace kvflash::bindings {
 
@@ -15,7 +16,8 @@ struct StandalonePager {
     std::unique_ptr<PagedCache> cache;
 
     StandalonePager(PagerConfig cfg, int32_t n_layers, int32_t n_embd_k, int32_t n_embd_v, const std::string &kv_type,
-                    const std::vector<int32_t> &layer_ids, const std::string &host, const std::string &host_path) {
+                    const std::vector<int32_t> &layer_ids, const std::string &host, const std::string &host_path,
+                    const std::vector<std::string> &layer_endpoints = {}) {
         if (n_layers <= 0) throw std::invalid_argument("n_layers must be >= 1, got " + std::to_string(n_layers));
         if (!layer_ids.empty() && int32_t(layer_ids.size()) != n_layers)
             throw std::invalid_argument("layer_ids has " + std::to_string(layer_ids.size()) + " entries for n_layers=" +
@@ -26,10 +28,15 @@ struct StandalonePager {
         std::vector<PoolLayerSpec> layers;
         for (int32_t i = 0; i < n_layers; ++i) layers.push_back({layer_ids.empty() ? i : layer_ids[i], n_embd_k, n_embd_v});
         const HostStore::Backing backing = parse_host_backing(host, host_path);
+        if (!layer_endpoints.empty() && int32_t(layer_endpoints.size()) != n_layers)
+            throw std::invalid_argument("layer_endpoints has " + std::to_string(layer_endpoints.size()) +
+                                        " entries for n_layers=" + std::to_string(n_layers) + " ('' for a local layer)");
+        std::vector<ggml_backend_buffer_type_t> bufts;
+        for (const std::string &ep : layer_endpoints) bufts.push_back(ep.empty() ? nullptr : rpc_buffer_type(ep));
         backend = ggml_backend_cpu_init();
         if (!backend) throw std::runtime_error("cannot initialise the ggml CPU backend");
         try {
-            cache = std::make_unique<PagedCache>(backend, layers, t, t, cfg, backing, host_path);
+            cache = std::make_unique<PagedCache>(backend, layers, t, t, cfg, backing, host_path, bufts);
         } catch (...) {
             ggml_backend_free(backend);
             throw;
@@ -83,7 +90,9 @@ py::array_t<uint8_t> pool_rows(py::object self, int32_t layer, bool v) {
     InUse use(s.busy);
     if (layer < 0 || layer >= s.pool->n_layers())
         throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
-    if (!s.pool->host_accessible()) throw std::invalid_argument("the pool is not in host memory");
+    if (!s.pool->layer_host_accessible(layer))
+        throw std::invalid_argument("layer " + std::to_string(layer) + "'s pool rows are not in host memory (a remote "
+                                    "device's): use read_rows / write_rows");
     ggml_tensor *t = v ? s.pool->v(layer) : s.pool->k(layer);
     return py::array_t<uint8_t>({t->ne[1], int64_t(t->nb[1])}, {int64_t(t->nb[1]), int64_t(1)},
                                 static_cast<uint8_t *>(t->data), self);
@@ -98,7 +107,11 @@ Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
 
 Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
       layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None,
-      max_host_bytes=0)
+      max_host_bytes=0, layer_endpoints=None)
+
+layer_endpoints: one entry per layer, "" for a local layer or "host:port" of a ggml RPC server
+(`kvflash rpc-server`) that holds that layer's slice of the pool (the same block numbering on every
+device; page events move each layer's rows through tensor get/set on its device).
 
 host="file": host_path must not exist; the file is created, unlinked at once (nothing
 is left behind) and allocated on disk as it grows (a full disk is a RuntimeError).
@@ -108,7 +121,7 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
         .def(py::init([](int32_t pool_tokens, int64_t max_ctx, int32_t n_layers, int32_t n_embd_k, py::object n_embd_v,
                          const std::string &kv_type, py::object layer_ids, int32_t chunk_tokens, int32_t sink_chunks,
                          int32_t tail_window_chunks, const std::string &host, py::object host_path,
-                         int64_t max_host_bytes) {
+                         int64_t max_host_bytes, py::object layer_endpoints) {
                  PagerConfig cfg;
                  cfg.chunk_tokens = chunk_tokens;
                  cfg.pool_tokens = pool_tokens;
@@ -119,7 +132,9 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
                  auto own = std::make_shared<StandalonePager>(
                      cfg, n_layers, n_embd_k, n_embd_v.is_none() ? n_embd_k : n_embd_v.cast<int32_t>(), kv_type,
                      layer_ids.is_none() ? std::vector<int32_t>() : layer_ids.cast<std::vector<int32_t>>(), host,
-                     optional_path(host_path));
+                     optional_path(host_path),
+                     layer_endpoints.is_none() ? std::vector<std::string>()
+                                               : layer_endpoints.cast<std::vector<std::string>>());
                  auto ref = std::make_unique<PagerRef>();
                  ref->p = own->cache->pager.get();
                  ref->pool = own->cache->pool.get();
@@ -129,7 +144,39 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
              py::kw_only(), py::arg("pool_tokens"), py::arg("max_ctx"), py::arg("n_layers") = 1, py::arg("n_embd_k") = 64,
              py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
              py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
-             py::arg("host") = "ram", py::arg("host_path") = py::none(), py::arg("max_host_bytes") = 0)
+             py::arg("host") = "ram", py::arg("host_path") = py::none(), py::arg("max_host_bytes") = 0,
+             py::arg("layer_endpoints") = py::none())
+        .def_property_readonly("layer_chunk_bytes", [](PagerRef &s) {
+            std::vector<size_t> b;
+            for (int32_t i = 0; i < s.pool->n_layers(); ++i) b.push_back(s.pool->layer_chunk_bytes(i));
+            return b;
+        }, "Bytes one chunk moves per layer on a page event (K and V rows): a remote layer's share of the wire.")
+        .def("read_rows", [](PagerRef &s, int32_t layer, bool v) {
+            InUse use(s.busy);
+            if (layer < 0 || layer >= s.pool->n_layers())
+                throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
+            ggml_tensor *t = v ? s.pool->v(layer) : s.pool->k(layer);
+            py::array_t<uint8_t> out({t->ne[1], int64_t(t->nb[1])});
+            ggml_backend_tensor_get(t, out.mutable_data(), 0, ggml_nbytes(t));
+            return out;
+        }, py::arg("layer"), py::arg("v") = false,
+           "A copy [pool_tokens, row_bytes] of layer's K (v=True: V) rows, read through the backend (any device).")
+        .def("write_rows", [](PagerRef &s, int32_t layer, py::array_t<int64_t, py::array::c_style | py::array::forcecast> slots,
+                              py::array_t<uint8_t, py::array::c_style | py::array::forcecast> rows, bool v) {
+            InUse use(s.busy);
+            if (layer < 0 || layer >= s.pool->n_layers())
+                throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
+            ggml_tensor *t = v ? s.pool->v(layer) : s.pool->k(layer);
+            const size_t rb = t->nb[1];
+            if (slots.ndim() != 1 || rows.ndim() != 2 || rows.shape(0) != slots.shape(0) || size_t(rows.shape(1)) != rb)
+                throw std::invalid_argument("write_rows: rows must be uint8 [len(slots), " + std::to_string(rb) + "]");
+            for (py::ssize_t i = 0; i < slots.shape(0); ++i) {
+                const int64_t sl = slots.at(i);
+                if (sl < 0 || sl >= t->ne[1]) throw std::out_of_range("write_rows: slot " + std::to_string(sl) + " outside the pool");
+                ggml_backend_tensor_set(t, rows.data(i, 0), size_t(sl) * rb, rb);
+            }
+        }, py::arg("layer"), py::arg("slots"), py::arg("rows"), py::arg("v") = false,
+           "Write rows [len(slots), row_bytes] at pool slots of layer's K (v=True: V), through the backend (any device).")
         .def_property_readonly("pool_tokens", [](PagerRef &s) { return s.pg().config().pool_tokens; })
         .def_property_readonly("chunk_tokens", [](PagerRef &s) { return s.pg().config().chunk_tokens; })
         .def_property_readonly("max_ctx", [](PagerRef &s) { return s.pg().config().max_ctx; })

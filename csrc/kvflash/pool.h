@@ -30,9 +30,12 @@ ggml_type kv_type_from_name(const std::string &name);
 
 class KVPool : public ChunkMover {
 public:
-    // backend: where the pool lives (CPU or CUDA); must outlive the pool.
+    // backend: where the pool lives (CPU or CUDA); must outlive the pool.  layer_bufts (empty, or one per
+    // layer; nullptr: the backend's default) places a layer's K/V in another buffer type -- a remote
+    // device's (ggml RPC): paging then reaches it through the same per-layer tensor get/set, and the
+    // block numbering is the same on every device.
     KVPool(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
-           int32_t pool_tokens, int32_t chunk_tokens);
+           int32_t pool_tokens, int32_t chunk_tokens, std::vector<ggml_backend_buffer_type_t> layer_bufts = {});
     ~KVPool() override;
     KVPool(const KVPool &) = delete;
     KVPool &operator=(const KVPool &) = delete;
@@ -43,8 +46,11 @@ public:
     ggml_tensor *k(int32_t i) const { return k_[i]; }
     ggml_tensor *v(int32_t i) const { return v_[i]; }
     int32_t pool_tokens() const { return pool_tokens_; }
-    size_t bytes() const;                 // the pool's device bytes
-    bool host_accessible() const;         // tensor data can be read through ->data
+    size_t bytes() const;                 // the pool's device bytes (all its buffers)
+    bool host_accessible() const;         // tensor data can be read through ->data (every layer)
+    bool layer_host_accessible(int32_t i) const;
+    // Bytes one chunk of layer i moves (K and V rows) on a page event.
+    size_t layer_chunk_bytes(int32_t i) const;
 
     size_t chunk_bytes() const override { return chunk_bytes_; }
     void page_out(int32_t block, uint8_t *dst) override;
@@ -66,15 +72,16 @@ private:
     std::vector<PoolLayerSpec> layers_;
     int32_t pool_tokens_, chunk_tokens_;
     size_t chunk_bytes_ = 0;
-    ggml_context *ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_context *> ctxs_;          // one per buffer type the layers use
+    std::vector<ggml_backend_buffer_t> bufs_;
     std::vector<ggml_tensor *> k_, v_;
 };
 
 // A pool and its pager, the unit a model (or a test) owns.
 struct PagedCache {
     PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k, ggml_type type_v,
-               PagerConfig cfg, HostStore::Backing backing = HostStore::Backing::RAM, std::string host_path = "");
+               PagerConfig cfg, HostStore::Backing backing = HostStore::Backing::RAM, std::string host_path = "",
+               std::vector<ggml_backend_buffer_type_t> layer_bufts = {});
     // Fences the pool's mover first: no async copy may outlive the host store.
     ~PagedCache();
     std::unique_ptr<KVPool> pool;

@@ -163,6 +163,13 @@ ggml_backend_t connect(const std::string &endpoint) {
 
 }  // namespace
 
+ggml_backend_buffer_type_t rpc_buffer_type(const std::string &endpoint) {
+    connect(endpoint);
+    ggml_backend_buffer_type_t t = ggml_backend_rpc_buffer_type(endpoint.c_str(), 0);
+    if (!t) throw std::runtime_error("rpc: no buffer type for device 0 of " + endpoint);
+    return t;
+}
+
 std::pair<size_t, size_t> rpc_device_memory(const std::string &endpoint) {
     connect(endpoint);
     size_t free = 0, total = 0;

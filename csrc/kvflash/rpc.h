@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ggml-backend.h"
 #include "ggml.h"
 
 namespace kvflash {
@@ -26,6 +27,10 @@ void rpc_serve(const std::string &endpoint, int32_t n_threads, const std::string
 // (free, total) bytes of the server's device 0: a round trip that proves the server answers.
 // std::runtime_error when it does not.
 std::pair<size_t, size_t> rpc_device_memory(const std::string &endpoint);
+
+// The buffer type of the server's device 0 (after the same checked connection): where a remote
+// layer's weights and pool slice are allocated.  std::runtime_error when no server answers.
+ggml_backend_buffer_type_t rpc_buffer_type(const std::string &endpoint);
 
 // Bytes through one buffer on the server: allocated there, written with tensor_set, read back with
 // tensor_get (the pool's page-out and page-in path on a remote layer).  Returns what came back.
