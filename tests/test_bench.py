@@ -33,6 +33,9 @@ def tiny(tmp_path_factory):
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
                "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
                "--split", "tuning"]),
+    ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
+               "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
+               "--split", "tuning", "--exact-prefill"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
     ("exact", ["--contexts", "1200", "--prompts", "3", "--gen-tokens", "12", "--policy", "qk"]),
@@ -136,6 +139,7 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     if routine == "ruler":
         res = data["results"][0]
         rows = res["rows"]
+        assert any("exact prefill" in n for n in res["notes"]) == ("--exact-prefill" in extra)
         tasks = ["single", "multikey", "multivalue", "multiquery", "aggregate"]
         # per task: the full cache, then each policy at 1/4 (pool 256 = 16 chunks of 16)
         assert [(r["task"], r["policy"]) for r in rows] == [(t, p) for t in tasks

@@ -384,3 +384,46 @@ def test_full_cache_keeps_identity_placement_through_truncation(tiny):
         blocks = rt.pager.chunk_table()["block"][: -(-600 // C)]
         assert list(blocks) == list(range(len(blocks)))
         assert np.array_equal(again, first)
+
+
+# --------------------------------------------------------------------------- 5. exact prefill, pooled decode
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_exact_prefill_gives_every_chunk_the_full_caches_rows(tiny, arch):
+    """Session(exact_prefill=True): the prompt is evaluated as the full cache evaluates it, so the logits
+    after it and every chunk's K/V rows (resident or in the host store) are the full cache's; decode then
+    reads the pool (and parts from the full cache), unlike exact mode."""
+    path = tiny(arch)
+    prompt = _ids(PROMPT, seed=31).tolist()
+    full = _session(path, None)
+    ep = _session(path, False, policy="qk", exact_prefill=True)
+    pooled = _session(path, False, policy="qk")
+    for s in (full, ep, pooled):
+        s.prefill(prompt)
+    assert ep.exact_prefill and not ep.exact and "exact prefill" in ep.banner
+    assert ep.pager.stats["host_chunks"] > 0
+    _same_logits(ep.logits(), full.logits())
+    assert not np.array_equal(pooled.logits(), full.logits())
+    fp, pp = full.runtime.pager, ep.runtime.pager
+    for c in range(PROMPT // C):   # bring each chunk in and compare its rows with the full cache's
+        if pp.chunk_table()["block"][c] < 0:
+            assert pp.recall(c)
+        for il in range(pp.n_layers):
+            for rows in ((pp.k_rows(il), fp.k_rows(il)), (pp.v_rows(il), fp.v_rows(il))):
+                for pos in range(c * C, (c + 1) * C):
+                    assert bytes(rows[0][pp.slot_of(pos)]) == bytes(rows[1][fp.slot_of(pos)]), (c, il, pos)
+    out = "".join(ep.generate(None, max_tokens=8, ignore_eos=True))
+    assert isinstance(out, str) and ep.runtime.n_past == PROMPT + 8
+
+
+def test_exact_prefill_arguments_and_snapshot(tiny, tmp_path):
+    path = tiny("llama")
+    with pytest.raises(ValueError, match="exact_prefill must be True or False"):
+        _session(path, False, exact_prefill=1)
+    s = _session(path, False, policy="qk", exact_prefill=True)
+    s.prefill(_ids(300, seed=8).tolist())
+    f = tmp_path / "s.kvfs"
+    s.save(str(f))
+    t = kvflash.Session.load(str(f), path, verbose=False)
+    assert t.exact_prefill and np.array_equal(t.logits(), s.logits())
+    assert _session(path, None, exact_prefill=True).exact_prefill is False   # the full cache: nothing to do

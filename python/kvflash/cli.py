@@ -14,6 +14,9 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("--kvflash-tau", type=int, default=64, help="decoded tokens between rescores (minimum)")
     p.add_argument("--kvflash-exact", action="store_true", help="exact mode: draft over the pool, verify each "
                    "round over the whole context (pool and host store), so the output is the full cache's (CPU)")
+    p.add_argument("--kvflash-exact-prefill", action="store_true", help="prompts attend the whole context (pool "
+                   "and host store) as the full cache's prefill does, so every chunk's K/V are exact; decode reads "
+                   "the pool (CPU)")
     p.add_argument("--prefill-drafter", default=None, help="drafter GGUF for the drafter policy")
     p.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
     p.add_argument("-t", "--threads", type=int, default=None)
@@ -39,7 +42,8 @@ def _make_session(a):
     from . import DEFAULT_MODEL, Session
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
-                   seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact)
+                   seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
+                   exact_prefill=a.kvflash_exact_prefill)
 
 
 def _say_why_it_stopped(s) -> None:

@@ -518,6 +518,7 @@ def serve(args) -> int:
     sessions = [Session(model, max_ctx=args.max_ctx, kvflash=_pool_arg(args.kvflash), policy=args.kvflash_policy,
                         drafter=args.prefill_drafter, tau=args.kvflash_tau, kv_type=args.kv_type, seed=args.seed,
                         allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),
+                        exact_prefill=getattr(args, "kvflash_exact_prefill", False),
                         verbose=i == 0) for i in range(args.parallel)]
     app = create_app(sessions, model_name=args.alias or path.stem, api_key=args.api_key,
                      slot_save_path=args.slot_save_path)

@@ -105,11 +105,12 @@ def _snapshot_app(snap, path) -> dict:
     try:
         cfg, pol, st = app["config"], app["policy"], app["state"]
         ok = (isinstance(cfg, dict) and isinstance(pol, dict) and isinstance(st, dict)
-              # exact mode's two settings are optional: snapshots written before it lack them
-              and set(cfg) - {"exact", "exact_draft"} == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens",
+              # exact mode's settings are optional: snapshots written before them lack them
+              and set(cfg) - {"exact", "exact_draft", "exact_prefill"} == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens",
                                                           "sink_chunks", "tail_window_chunks", "ubatch",
                                                           "reeval_tokens", "seed", "allow_long_ctx"}
               and isinstance(cfg.get("exact", False), bool)
+              and isinstance(cfg.get("exact_prefill", False), bool)
               and isinstance(st["since_rescore"], int) and isinstance(st["rescores"], int)
               and (st["last_scores"] is None or isinstance(st["last_scores"], list)))
     except KeyError:
@@ -233,7 +234,7 @@ class Session:
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
                  ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
                  max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
-                 exact: bool = False, exact_draft: Optional[int] = None):
+                 exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -243,6 +244,8 @@ class Session:
             raise ValueError(f"max_host_bytes must be a positive integer (bytes) or None (no cap), got {max_host_bytes!r}")
         if not isinstance(exact, bool):
             raise ValueError(f"exact must be True or False, got {exact!r}")
+        if not isinstance(exact_prefill, bool):
+            raise ValueError(f"exact_prefill must be True or False, got {exact_prefill!r}")
         if exact_draft is not None and (not isinstance(exact_draft, int) or isinstance(exact_draft, bool)
                                         or not 0 <= exact_draft <= MAX_DRAFT):
             raise ValueError(f"exact_draft must be None (adaptive) or an integer in [0, {MAX_DRAFT}] (drafts per "
@@ -266,6 +269,9 @@ class Session:
         if exact and not str(self.device).startswith("cpu"):
             raise ValueError(f"exact=True verifies on the CPU backend (its attention reads the host store in place); "
                              f"the model is on {self.device}: use device='cpu'")
+        if exact_prefill and not str(self.device).startswith("cpu"):
+            raise ValueError(f"exact_prefill=True reads the host store in place on the CPU backend; the model is on "
+                             f"{self.device}: use device='cpu'")
         hp = self.model.hparams
         self.hparams = hp
         if max_ctx is None:
@@ -323,7 +329,7 @@ class Session:
         self._config = dict(max_ctx=max_ctx, kvflash=pool if pool > 0 else None, tau=tau, kv_type=kv_type,
                             chunk_tokens=chunk_tokens, sink_chunks=sink_chunks, tail_window_chunks=tail_window_chunks,
                             ubatch=ubatch, reeval_tokens=reeval_tokens, seed=seed, allow_long_ctx=allow_long_ctx,
-                            exact=exact, exact_draft=exact_draft)
+                            exact=exact, exact_draft=exact_draft, exact_prefill=exact_prefill)
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
         self.kvflash = pool > 0
@@ -331,6 +337,10 @@ class Session:
         # the full cache itself there is nothing to verify: every eval is already exact.
         self.exact = exact and self.kvflash
         self.exact_draft = exact_draft
+        # Exact prefill: prompts are evaluated as the full cache evaluates them (every position attended,
+        # paged-out rows read from the host store), so every chunk's K/V are the full cache's; decode then
+        # reads the pool as usual.  Implied by exact mode; nothing to do for the full cache.
+        self.exact_prefill = (exact_prefill or exact) and self.kvflash
         self._spec = _SpecStats()
         self._tokens: list[int] = []
         self._last_logits: Optional[np.ndarray] = None
@@ -399,6 +409,7 @@ class Session:
     @property
     def banner(self) -> str:
         mode = (" [exact: drafts over the pool, verified over the whole context]" if self.exact
+                else " [exact prefill: prompts attend the whole context]" if self.exact_prefill
                 else "" if self.kvflash else " [full cache]")
         line = (f"[kvflash] resident pool {self.runtime.pool_tokens} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
                 f"policy={self.policy.name}{self._policy_note}{mode}")
@@ -524,7 +535,7 @@ class Session:
 
     def _prefill(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
-        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact)
+        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact_prefill)
         self._prefill_s += time.perf_counter() - t0
         self._tokens.extend(ids)
         self._settle_prompt(ids)
@@ -538,9 +549,9 @@ class Session:
             # prompt's tail now (the question usually sits there), then re-read the last
             # token so the first generated token already attends to the chosen chunks.
             self._since_rescore = 0
-            # (exact mode: the prompt's K/V are already the full cache's; a re-read over the pool would
-            # only make them approximate)
-            if self.rescore() > 0 and not self.exact:
+            # (exact mode and exact prefill: the prompt's K/V are already the full cache's; a re-read over
+            # the pool would only make them approximate)
+            if self.rescore() > 0 and not self.exact_prefill:
                 # Re-read the prompt's last tokens (the question, typically) so they, not only the
                 # final token, see the recalled chunks in every layer.
                 k = max(1, min(len(ids), self.reeval_tokens))
@@ -838,7 +849,7 @@ class Session:
                 self.runtime.truncate(n_tokens - k)
             self._last_logits = None
             self._last_logits = self.runtime.eval(np.asarray(self._tokens[n_tokens - k:n_tokens], dtype=np.int32),
-                                                  exact=self.exact)
+                                                  exact=self.exact_prefill)
         finally:
             # The cache holds a prefix of the history whatever happened (a Ctrl-C included):
             # the history follows it.  After a failed re-read that is n_tokens - k tokens,

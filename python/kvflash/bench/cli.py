@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact: greedy tokens per prompt (default 256 with --preset standard)")
     p.add_argument("--exact-draft", dest="exact_draft", type=int, default=None,
                    help="exact: drafts per round (default: adaptive)")
+    p.add_argument("--exact-prefill", dest="exact_prefill", action="store_true", default=None,
+                   help="kvflash sessions prefill as the full cache does (every chunk's K/V exact; decode over the pool)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -239,7 +241,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("residencies", "ruler_residencies"), ("aggregate_residencies", "ruler_aggregate_residencies"),
                     ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log"),
                     ("ruler_logged_only", "ruler_logged_only"), ("exact_prompts", "exact_prompts"),
-                    ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft")]:
+                    ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft"),
+                    ("exact_prefill", "exact_prefill")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)

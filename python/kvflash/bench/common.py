@@ -67,6 +67,7 @@ class BenchConfig:
     exact_prompts: int = 16                # exact: prompts per context
     exact_tokens: int = 256                # exact: greedy tokens per prompt
     exact_draft: Optional[int] = None      # exact: drafts per round (None: the session's adaptive choice)
+    exact_prefill: bool = False            # kvflash sessions prefill as the full cache does (Session(exact_prefill=True))
     seed: int = 1234
     quiet: bool = False
 
@@ -309,6 +310,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
             kw["chunk_tokens"] = cfg.chunk_tokens
         if cfg.prefill_piece is not None:
             kw["prefill_piece"] = cfg.prefill_piece
+        if cfg.exact_prefill:
+            kw["exact_prefill"] = True
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

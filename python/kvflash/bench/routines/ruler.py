@@ -62,7 +62,9 @@ def _log_identity(cfg: BenchConfig) -> dict:
     return {"model": cfg.model, "kv_type": cfg.kv_type, "split": cfg.split, "seed": cfg.seed,
             "chunk_tokens": cfg.chunk_tokens, "tail_chunks": cfg.tail_chunks, "drafter": cfg.drafter,
             "prefill_piece": cfg.prefill_piece,
-            "reserve": cfg.answer_tokens}
+            "reserve": cfg.answer_tokens,
+            # only when set, so logs written before the option still match its default
+            **({"exact_prefill": True} if cfg.exact_prefill else {})}
 
 
 def _drafter(cfg: BenchConfig):
@@ -239,6 +241,11 @@ def run_ruler(cfg: BenchConfig) -> Result:
         "(0 = best, p = protected) of such a chunk under the prompt's rescore, against the free slots (kept "
         "when rank < free slots)",
         "prompt rescore ms: the policy's scoring of the prompt (median); ms/token: the answer's decode"]
+    if cfg.exact_prefill:
+        res.notes.append("exact prefill (--exact-prefill): the kvflash sessions evaluate the prompt as the full cache "
+                         "does (every position attended, paged-out rows read from the host store), so every chunk's "
+                         "K/V are the full cache's and no tail is re-read; the policy then picks the residents and the "
+                         "answer decodes over the pool")
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
     res.raw = [dict(m, key=rec["key"], context=rec["context"], task=rec["task"], haystack=rec["haystack"],
