@@ -155,3 +155,160 @@ def test_pool_slice_on_a_remote_device_pages_bit_exact(server):
         t = p.chunk_table()
     assert p.stats["page_ins"] > 0
     p.check_invariants()
+
+
+# --------------------------------------------------------------------------- layers on RPC servers
+def _die_with_parent():
+    import ctypes
+    import signal
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+
+
+def _start_server(threads: int = 1):
+    """A loopback server that lives until this process ends (it dies with it).  Not killed earlier: a model or
+    runtime still holding buffers there (a failed test's traceback keeps them) would make ggml's client abort
+    when it frees them on a dead server."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvflash", "rpc-server", "--port", str(port), "--threads",
+                             str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent)
+    ep = f"127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            core.rpc_device_memory(ep)
+            return proc, ep
+        except RuntimeError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"rpc-server on {ep} did not come up")
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    a, b = _start_server(), _start_server()
+    return a[1], b[1]
+
+
+def test_split_layers_follows_tensor_split():
+    eps = ["h:1", "h:2"]
+    assert core.split_layers(30, eps) == [("h:1", 0, 15), ("h:2", 15, 30)]
+    assert core.split_layers(30, eps, [1, 2]) == [("h:1", 0, 10), ("h:2", 10, 30)]
+    assert core.split_layers(30, eps, [1, 1, 1]) == [("h:1", 0, 10), ("h:2", 10, 20)]   # the rest stays local
+    assert core.split_layers(30, eps, [0, 1]) == [("h:2", 0, 30)]
+    for bad, msg in [([1], "2 rpc endpoints"), ([1, -1], ">= 0"), ([0, 0], "sum to zero"),
+                     ([1, float("nan")], "finite")]:
+        with pytest.raises(ValueError, match=msg):
+            core.split_layers(30, eps, bad)
+    with pytest.raises(ValueError, match="named twice"):
+        core.split_layers(30, ["h:1", "h:1"])
+    with pytest.raises(ValueError, match="rpc endpoint"):
+        core.split_layers(30, ["nohost"])
+
+
+def _greedy(rt, prompt, n):
+    """Greedy tokens and every step's logits (prompt, then n one-token steps)."""
+    logits = [np.array(rt.eval(prompt))]
+    toks = []
+    for _ in range(n):
+        toks.append(int(np.argmax(logits[-1])))
+        logits.append(np.array(rt.eval(np.array([toks[-1]], dtype=np.int32))))
+    return toks, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
+    """Layers split over two loopback servers (weights, pool slices and the sliding-window ring there; the
+    embedding and head here) give the single process's logits bit for bit with ggml's attention, through
+    page-outs of remote pool slices, a qk rescore that recalls chunks into other blocks, and a truncate."""
+    kw = dict(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    if arch == "gemma3":
+        kw.update(n_layer=6, gemma_sliding_window=16)
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch, **kw)
+    local = core.Model(str(path), n_threads=1)
+    remote = core.Model(str(path), n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 1])
+    L = kw["n_layer"]
+    assert [(r["endpoint"], r["first"], r["last"]) for r in remote.remote_layers] == \
+        [(two_servers[0], 0, round(L / 3)), (two_servers[1], round(L / 3), round(2 * L / 3))]
+    assert any(p.startswith("RPC " + two_servers[0]) for p in remote.weight_placement)
+    prompt = np.random.default_rng(1).integers(1, 200, 600).astype(np.int32)
+    runs = []
+    for m in (local, remote):
+        rt = core.Runtime(m, max_ctx=1024, pool_tokens=256, chunk_tokens=16, attn="ggml", capture_queries=4)
+        toks, logits = _greedy(rt, prompt, 12)
+        assert rt.pager.stats["page_outs"] > 0
+        scores = rt.qk_peak_scores((rt.n_past + 15) // 16, n_queries=4, contrast=0)
+        rt.pager.reselect(scores)
+        t2, l2 = _greedy(rt, np.array([toks[-1]], dtype=np.int32), 8)
+        rt.truncate(rt.n_past - 5)
+        t3, l3 = _greedy(rt, np.array([3, 4, 5], dtype=np.int32), 4)
+        runs.append((toks + t2 + t3, logits + l2 + l3, scores, dict(rt.pager.stats)))
+        del rt
+    (ta, la, sa, pa), (tb, lb, sb, pb) = runs
+    assert pa["page_ins"] > 0 and pb["page_ins"] == pa["page_ins"]
+    assert ta == tb
+    np.testing.assert_array_equal(sa, sb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+    del remote
+
+
+def test_remote_layers_refuse_what_a_server_cannot_run(tmp_path, two_servers):
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    m = core.Model(str(path), n_threads=1, rpc=[two_servers[0]])
+    with pytest.raises(ValueError, match="RPC server cannot run"):
+        core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16, attn="pool")
+    rt = core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16)   # "auto": ggml's attention
+    with pytest.raises(ValueError, match="RPC servers"):
+        rt.eval(np.array([1, 2, 3], dtype=np.int32), exact=True)
+    with pytest.raises(ValueError, match="RPC servers"):
+        rt.eval(np.array([1, 2, 3], dtype=np.int32), one_row_products=True)
+    assert rt.n_past == 0
+    rt.eval(np.array([1, 2, 3], dtype=np.int32))
+    assert rt.n_past == 3
+    del rt, m
+
+
+def test_a_server_that_is_not_there_fails_the_load_not_the_process(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    with pytest.raises(RuntimeError, match="cannot connect"):
+        core.Model(str(path), n_threads=1, rpc=[f"127.0.0.1:{_free_port()}"])
+    with pytest.raises(ValueError, match="tensor_split"):
+        core.Model(str(path), n_threads=1, rpc=["127.0.0.1:1"], tensor_split=[1, 1, 1])
+
+
+@pytest.mark.model
+def test_smollm2_split_15_15_over_two_servers_greedy_identical():
+    """Issue 22's identity figure: SmolLM2-135M, 15 layers on each of two loopback servers, pool 512, a
+    prompt longer than the pool: 64 greedy tokens (and their logits) identical to the single process with
+    ggml's attention at the same thread count (2 everywhere)."""
+    import kvflash
+    path = kvflash.resolve_model("smollm2-135m")
+    from kvflash.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(path)
+    text = ("The weather was calm and the river ran slowly past the old mill. " * 40 +
+            "The secret passkey is 48213. Remember it. " +
+            "Farmers carried their grain along the road to the market in the valley. " * 25 +
+            "\nWhat is the secret passkey? The passkey is")
+    prompt = np.array(tok.encode(text), dtype=np.int32)
+    assert len(prompt) > 900
+    a, b = _start_server(2), _start_server(2)
+    remote = core.Model(str(path), n_threads=2, rpc=[a[1], b[1]])
+    assert [(r["first"], r["last"]) for r in remote.remote_layers] == [(0, 15), (15, 30)]
+    local = core.Model(str(path), n_threads=2)
+    out = []
+    for m in (local, remote):
+        rt = core.Runtime(m, max_ctx=2048, pool_tokens=512, attn="ggml")
+        toks, logits = _greedy(rt, prompt, 64)
+        out.append((toks, logits, rt.pager.stats["page_outs"]))
+        del rt
+    del remote   # its weights leave the servers
+    (ta, la, pa), (tb, lb, pb) = out
+    assert pa > 0 and pb == pa
+    assert ta == tb
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)

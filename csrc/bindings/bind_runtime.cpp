@@ -11,18 +11,38 @@ void bind_model(py::module_ &m) {
     py::class_<Model, std::shared_ptr<Model>>(m, "Model", R"doc(
 GGUF weights and hyper-parameters (immutable, shareable).
 
-Model(path, n_threads=0, device="cpu"): device "cpu", "cuda" (= "cuda:0") or "cuda:N".
-On CUDA the weights are uploaded to the device and every Runtime over the model
-computes there (pool, sliding-window ring and graphs in device memory, paged
-chunks in a pinned host slab).  ValueError for an unknown device, for CUDA in a
-build without it, or for a CUDA device that is not visible.
+Model(path, n_threads=0, device="cpu", rpc=[], tensor_split=[]): device "cpu", "cuda"
+(= "cuda:0") or "cuda:N".  On CUDA the weights are uploaded to the device and every
+Runtime over the model computes there (pool, sliding-window ring and graphs in device
+memory, paged chunks in a pinned host slab).  ValueError for an unknown device, for CUDA
+in a build without it, or for a CUDA device that is not visible.
+
+rpc: "host:port" endpoints of `kvflash rpc-server` processes; contiguous layer ranges
+go to them in order, by tensor_split's weights (one per endpoint, and optionally one
+more: this process's share, the last layers; empty: equal shares, no layer local).
+Their weights are uploaded there, and every Runtime over the model keeps those layers'
+pool slices there and runs them there (ggml_backend_sched).  The embedding and the
+output head stay here.  RuntimeError when a server does not answer or has no room.
 )doc")
-        .def(py::init([](py::object path, int32_t n_threads, const std::string &device) {
+        .def(py::init([](py::object path, int32_t n_threads, const std::string &device, std::vector<std::string> rpc,
+                         std::vector<float> tensor_split) {
                  if (n_threads < 0) throw std::invalid_argument("n_threads must be >= 0 (0: all cores)");
                  std::string p = py::str(path).cast<std::string>();
                  py::gil_scoped_release nogil;
-                 return Model::load(p, n_threads, device);
-             }), py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu")
+                 return Model::load(p, n_threads, device, rpc, tensor_split);
+             }), py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu",
+             py::arg("rpc") = std::vector<std::string>{}, py::arg("tensor_split") = std::vector<float>{})
+        .def_property_readonly("remote_layers", [](const Model &m) {
+            py::list out;
+            for (size_t r = 0; r < m.remote_layers().size(); ++r) {
+                const RemoteLayers &R = m.remote_layers()[r];
+                py::dict d;
+                d["endpoint"] = R.endpoint; d["first"] = R.first; d["last"] = R.last;
+                d["weight_bytes"] = r < m.remote_bytes().size() ? m.remote_bytes()[r] : size_t(0);
+                out.append(d);
+            }
+            return out;
+        }, "the layer ranges on RPC servers: [{'endpoint', 'first', 'last' (exclusive), 'weight_bytes'}]")
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("device", [](const Model &m) { return m.device().name(); },
                                "'cpu' or 'cuda:N'.")

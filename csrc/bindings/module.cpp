@@ -133,6 +133,14 @@ PYBIND11_MODULE(_core, m) {
        "authentication: loopback or a trusted network only.");
     m.def("check_rpc_endpoint", &kvflash::check_rpc_endpoint, py::arg("endpoint"),
           "ValueError unless endpoint is host:port with a port in [1, 65535].");
+    m.def("split_layers", [](int32_t n_layer, const std::vector<std::string> &rpc, const std::vector<float> &split) {
+        py::list out;
+        for (const kvflash::RemoteLayers &R : kvflash::split_layers(n_layer, rpc, split))
+            out.append(py::make_tuple(R.endpoint, R.first, R.last));
+        return out;
+    }, py::arg("n_layer"), py::arg("rpc"), py::arg("tensor_split") = std::vector<float>{},
+       "The layer ranges Model(rpc=, tensor_split=) places: [(endpoint, first, last)], last exclusive; this "
+       "process keeps the layers after the last range.  ValueError naming a bad endpoint or split.");
     m.def("rpc_device_memory", [](const std::string &endpoint) {
         py::gil_scoped_release nogil;
         return kvflash::rpc_device_memory(endpoint);

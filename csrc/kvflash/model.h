@@ -53,6 +53,22 @@ struct LayerWeights {
     ggml_tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr;
 };
 
+// Layers [first, last) computed on the ggml RPC server at endpoint (rpc.h): their weights live there, and a
+// runtime over the model keeps their slice of the KV pool (and sliding-window ring) there too.
+struct RemoteLayers {
+    std::string endpoint;
+    int32_t first = 0, last = 0;
+};
+
+// Contiguous layer ranges for n_layer layers over the RPC endpoints, in order, by proportions as
+// llama.cpp's tensor_split: one weight per endpoint and optionally one more for the client, whose share
+// is the last layers (next to the output head, which stays with the client with the input embedding).
+// Empty split: equal shares over the endpoints, no layer local.  An endpoint whose share rounds to no
+// layer gets none (it is left out).  std::invalid_argument naming the fault (a bad endpoint, one named
+// twice, a split of the wrong length, a negative or non-finite weight, weights summing to zero).
+std::vector<RemoteLayers> split_layers(int32_t n_layer, const std::vector<std::string> &endpoints,
+                                       const std::vector<float> &split);
+
 class Model {
 public:
     // Throws std::invalid_argument naming the problem (not a GGUF, truncated,
@@ -60,8 +76,12 @@ public:
     // device: see parse_device.  "cuda" needs a KVFLASH_CUDA build and a visible device
     // (std::invalid_argument otherwise; std::runtime_error if the weights do not fit).
     // n_threads <= 0: the machine's hardware threads.
+    // rpc / tensor_split: layer ranges on ggml RPC servers (split_layers; the CPU device only): each
+    // range's weights are uploaded to its server's buffer, and graphs run there through
+    // ggml_backend_sched (the runtime).  std::runtime_error when a server does not answer or has no room.
     static std::shared_ptr<Model> load(const std::string &path, int32_t n_threads = 0,
-                                       const std::string &device = "cpu");
+                                       const std::string &device = "cpu", const std::vector<std::string> &rpc = {},
+                                       const std::vector<float> &tensor_split = {});
     ~Model();
     Model(const Model &) = delete;
     Model &operator=(const Model &) = delete;
@@ -103,11 +123,22 @@ public:
     bool plain(const ggml_tensor *w) const { return w->buffer == buf_ && w->extra == nullptr; }
     ggml_tensor *output_for(int32_t n) const { return n == 1 && decode_output_ ? decode_output_ : output; }
 
+    // The layer ranges on RPC servers (empty: every layer local) and, per range, the server's backend
+    // (kvflash's checked connection, one per endpoint for the process) and buffer type.
+    const std::vector<RemoteLayers> &remote_layers() const { return remote_; }
+    const std::vector<ggml_backend_t> &remote_backends() const { return remote_backends_; }
+    // The buffer type of layer il's device: the server's for a remote layer, nullptr for a local one.
+    ggml_backend_buffer_type_t layer_buft(int32_t il) const;
+    // The index into remote_layers() of layer il's range, or -1 when the layer is local.
+    int32_t layer_remote(int32_t il) const;
+    // Weight bytes held on each server (as remote_layers()).
+    const std::vector<size_t> &remote_bytes() const { return remote_bytes_; }
+
 private:
     Model() = default;
     void read_header(const std::string &path);    // magic, gguf header, tensor extents, hparams
     void read_tensors();                          // every weight, with its shape checked
-    void place_weights(int32_t n_threads);        // mmap (CPU) or upload (CUDA)
+    void place_weights(int32_t n_threads);        // mmap (CPU) or upload (CUDA); remote layers uploaded
     // per GGUF tensor: the CPU extra buffer type that takes it (nullptr: stays mapped)
     std::vector<ggml_backend_buffer_type_t> extra_placement() const;
 
@@ -129,6 +160,13 @@ private:
     size_t map_bytes_ = 0, weight_bytes_ = 0;
     int32_t n_threads_ = 1;
     mutable std::mutex compute_mu_;
+    std::vector<RemoteLayers> remote_;
+    std::vector<ggml_backend_t> remote_backends_;          // owned by rpc.cpp's connection table
+    std::vector<ggml_backend_buffer_type_t> remote_bufts_;
+    std::vector<ggml_backend_buffer_t> remote_bufs_;
+    std::vector<size_t> remote_bytes_;
+    // per GGUF tensor: the remote range holding it ("blk.N." names of a remote layer), or -1
+    std::vector<int32_t> tensor_remote() const;
 };
 
 }  // namespace kvflash

@@ -19,6 +19,7 @@
 #include "kvflash/arch.h"
 #include "kvflash/limits.h"
 #include "kvflash/model.h"
+#include "kvflash/rpc.h"
 #ifdef KVFLASH_WITH_CUDA
 #include "ggml-cuda.h"
 #endif
@@ -232,14 +233,61 @@ private:
 
 }  // namespace
 
-std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device) {
+std::vector<RemoteLayers> split_layers(int32_t n_layer, const std::vector<std::string> &endpoints,
+                                       const std::vector<float> &split) {
+    if (endpoints.empty()) {
+        if (!split.empty()) throw std::invalid_argument("tensor_split needs rpc endpoints to split the layers over");
+        return {};
+    }
+    for (size_t i = 0; i < endpoints.size(); ++i) {
+        check_rpc_endpoint(endpoints[i]);
+        for (size_t j = 0; j < i; ++j)
+            if (endpoints[j] == endpoints[i])
+                throw std::invalid_argument("rpc endpoint " + endpoints[i] + " is named twice; give each server once "
+                                            "(its share is one contiguous range of layers)");
+    }
+    const size_t ne = endpoints.size();
+    std::vector<double> w(ne, 1.0);
+    if (!split.empty()) {
+        if (split.size() != ne && split.size() != ne + 1)
+            throw std::invalid_argument("tensor_split has " + std::to_string(split.size()) + " weights for " +
+                                        std::to_string(ne) + " rpc endpoints; give " + std::to_string(ne) +
+                                        " (every layer remote) or " + std::to_string(ne + 1) +
+                                        " (the last weight for this process's own share)");
+        w.assign(split.begin(), split.end());
+    }
+    double total = 0;
+    for (double x : w) {
+        if (!std::isfinite(x) || x < 0)
+            throw std::invalid_argument("tensor_split weights must be finite and >= 0, got " + std::to_string(x));
+        total += x;
+    }
+    if (total <= 0) throw std::invalid_argument("tensor_split weights sum to zero: give some device a share of the layers");
+    std::vector<RemoteLayers> out;
+    double cum = 0;
+    int32_t prev = 0;
+    for (size_t i = 0; i < ne; ++i) {
+        cum += w[i];
+        const int32_t edge = std::min(n_layer, int32_t(std::lround(double(n_layer) * cum / total)));
+        if (edge > prev) out.push_back({endpoints[i], prev, edge});
+        prev = std::max(prev, edge);
+    }
+    return out;
+}
+
+std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device,
+                                   const std::vector<std::string> &rpc, const std::vector<float> &tensor_split) {
     // The device first: a bad device string fails before any file work.
     const Device dev = parse_device(device);
     check_device_visible(dev, device);
+    if (!rpc.empty() && dev.kind != Device::Kind::CPU)
+        throw std::invalid_argument("rpc: layers on RPC servers need the client on the CPU device (device='cpu'), "
+                                    "got " + device);
     std::shared_ptr<Model> m(new Model());
     m->path_ = path;
     m->device_ = dev;
     m->read_header(path);
+    m->remote_ = split_layers(m->hp_.n_layer, rpc, tensor_split);   // before the tensors: a bad split fails fast
     m->read_tensors();
     const int32_t hw = int32_t(std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), GGML_MAX_N_THREADS));
     if (n_threads > GGML_MAX_N_THREADS)  // before any file work, as the device
@@ -408,7 +456,10 @@ void Model::place_weights(int32_t threads) {
             if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && self->prev) self->prev(level, text, self->prev_ud);
         }
     } quiet;
-    const std::vector<ggml_backend_buffer_type_t> where = extra_placement();
+    std::vector<ggml_backend_buffer_type_t> where = extra_placement();
+    const std::vector<int32_t> remote_of = tensor_remote();
+    for (size_t i = 0; i < where.size(); ++i)
+        if (remote_of[i] >= 0) where[i] = nullptr;   // a remote layer's weights go to its server as they are
     buf_ = ggml_backend_cpu_buffer_from_ptr(map_, map_bytes_);
     ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     std::vector<ggml_backend_buffer_type_t> bufts;
@@ -441,8 +492,44 @@ void Model::place_weights(int32_t threads) {
         weight_bytes_ += need;
         repacked_.push_back(std::string(ggml_backend_buft_name(buft)) + ": " + mib(need));
     }
+    // Remote layers: one buffer per server, the weights uploaded from the mapping (ggml's client sends a
+    // large tensor by hash first where the server keeps a cache).
+    for (size_t r = 0; r < remote_.size(); ++r) {
+        const RemoteLayers &R = remote_[r];
+        ggml_backend_t rb = rpc_backend(R.endpoint);
+        ggml_backend_buffer_type_t buft = rpc_buffer_type(R.endpoint);
+        const size_t align = ggml_backend_buft_get_alignment(buft);
+        auto up = [align](size_t x) { return (x + align - 1) / align * align; };
+        size_t need = 0;
+        for (int64_t i = 0; i < n_tensors; ++i)
+            if (remote_of[size_t(i)] == int32_t(r)) need += up(ggml_backend_buft_get_alloc_size(buft, nth(i)));
+        ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(buft, need);
+        if (!b) {
+            const auto mem = rpc_device_memory(R.endpoint);
+            throw std::runtime_error(path_ + ": the RPC server at " + R.endpoint + " could not allocate " + mib(need) +
+                                     " for layers " + std::to_string(R.first) + "-" + std::to_string(R.last - 1) +
+                                     " (" + mib(mem.first) + " free of " + mib(mem.second) + ")");
+        }
+        remote_bufs_.push_back(b);
+        ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        char *base = static_cast<char *>(ggml_backend_buffer_get_base(b));
+        size_t off = 0;
+        for (int64_t i = 0; i < n_tensors; ++i) {
+            if (remote_of[size_t(i)] != int32_t(r)) continue;
+            ggml_tensor *t = nth(i);
+            if (ggml_backend_tensor_alloc(b, t, base + off) != GGML_STATUS_SUCCESS)
+                throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(t) + " on " + R.endpoint);
+            ggml_backend_tensor_set(t, file_bytes(i), 0, ggml_nbytes(t));
+            off += up(ggml_backend_buft_get_alloc_size(buft, t));
+        }
+        remote_backends_.push_back(rb);
+        remote_bufts_.push_back(buft);
+        remote_bytes_.push_back(need);
+        repacked_.push_back("RPC " + R.endpoint + ", layers " + std::to_string(R.first) + "-" + std::to_string(R.last - 1) +
+                            ": " + mib(need));
+    }
     for (int64_t i = 0; i < n_tensors; ++i) {
-        if (where[size_t(i)]) continue;
+        if (where[size_t(i)] || remote_of[size_t(i)] >= 0) continue;
         if (ggml_backend_tensor_alloc(buf_, nth(i), file_bytes(i)) != GGML_STATUS_SUCCESS)
             throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(nth(i)));
         weight_bytes_ += ggml_nbytes(nth(i));
@@ -461,7 +548,7 @@ void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &w
     // only multiplied by, the mapped original serves get_rows)
     std::vector<ggml_tensor *> cand;
     auto consider = [&](ggml_tensor *w) {
-        if (!w || std::find(cand.begin(), cand.end(), w) != cand.end()) return;
+        if (!w || w->buffer != buf_ || std::find(cand.begin(), cand.end(), w) != cand.end()) return;   // mapped only
         for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i)
             if (ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i)) == w && where[size_t(i)]) return;   // moved already
         ggml_init_params ip{8 * ggml_tensor_overhead(), nullptr, true};
@@ -552,7 +639,30 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     return where;
 }
 
+std::vector<int32_t> Model::tensor_remote() const {
+    const int64_t n_tensors = gguf_get_n_tensors(gguf_);
+    std::vector<int32_t> out(size_t(n_tensors), -1);
+    for (int64_t i = 0; i < n_tensors && !remote_.empty(); ++i) {
+        int il = -1, used = 0;
+        if (std::sscanf(gguf_get_tensor_name(gguf_, i), "blk.%d.%n", &il, &used) == 1 && used > 0) out[size_t(i)] = layer_remote(il);
+    }
+    return out;
+}
+
+int32_t Model::layer_remote(int32_t il) const {
+    for (size_t r = 0; r < remote_.size(); ++r)
+        if (il >= remote_[r].first && il < remote_[r].last) return int32_t(r);
+    return -1;
+}
+
+ggml_backend_buffer_type_t Model::layer_buft(int32_t il) const {
+    const int32_t r = layer_remote(il);
+    return r >= 0 && size_t(r) < remote_bufts_.size() ? remote_bufts_[size_t(r)] : nullptr;
+}
+
 Model::~Model() {
+    // A server that went away makes ggml's client abort on these frees (rpc.h's known limit).
+    for (ggml_backend_buffer_t b : remote_bufs_) ggml_backend_buffer_free(b);
     for (ggml_backend_buffer_t b : extra_bufs_) ggml_backend_buffer_free(b);
     if (decode_meta_) ggml_free(decode_meta_);
     if (buf_) ggml_backend_buffer_free(buf_);

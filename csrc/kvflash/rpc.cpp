@@ -163,6 +163,8 @@ ggml_backend_t connect(const std::string &endpoint) {
 
 }  // namespace
 
+ggml_backend_t rpc_backend(const std::string &endpoint) { return connect(endpoint); }
+
 ggml_backend_buffer_type_t rpc_buffer_type(const std::string &endpoint) {
     connect(endpoint);
     ggml_backend_buffer_type_t t = ggml_backend_rpc_buffer_type(endpoint.c_str(), 0);

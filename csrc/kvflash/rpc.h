@@ -28,6 +28,10 @@ void rpc_serve(const std::string &endpoint, int32_t n_threads, const std::string
 // std::runtime_error when it does not.
 std::pair<size_t, size_t> rpc_device_memory(const std::string &endpoint);
 
+// The client's backend for the server's device 0: kvflash's checked connection (HELLO first), one per
+// endpoint for the life of the process (ggml's server serves one client at a time).  Not to be freed.
+ggml_backend_t rpc_backend(const std::string &endpoint);
+
 // The buffer type of the server's device 0 (after the same checked connection): where a remote
 // layer's weights and pool slice are allocated.  std::runtime_error when no server answers.
 ggml_backend_buffer_type_t rpc_buffer_type(const std::string &endpoint);

@@ -26,6 +26,7 @@ struct Runtime::Graph {
     ggml_context *ctx = nullptr;
     ggml_cgraph *gf = nullptr;
     ggml_gallocr_t alloc = nullptr;
+    ggml_backend_sched_t sched = nullptr;   // layers on RPC servers: the scheduler places and allocates
     ggml_tensor *tokens = nullptr, *pos = nullptr, *slots = nullptr, *mask = nullptr;
     ggml_tensor *swa_slots = nullptr, *swa_mask = nullptr, *logits = nullptr;
     std::vector<ggml_tensor *> q_out;  // per paged layer: [D, H, n_capture]
@@ -36,6 +37,7 @@ struct Runtime::Graph {
     std::vector<RowTable> tables;
     std::vector<uint8_t> meta;
     ~Graph() {
+        if (sched) ggml_backend_sched_free(sched);
         if (alloc) ggml_gallocr_free(alloc);
         if (ctx) ggml_free(ctx);
     }
@@ -51,6 +53,9 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     if (cfg_.attn == "pool" && !ggml_backend_is_cpu(model_->backend()))
         throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel; the model is on " +
                                     model_->device().name() + ": use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
+    if (cfg_.attn == "pool" && remote())
+        throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel, which an RPC server cannot run; "
+                                    "the model has layers on RPC servers: use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
     if (kvt == GGML_TYPE_F32) throw std::invalid_argument("kv_type f32 is not supported by the attention kernels; use f16, q8_0 or q4_0");
     if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
         throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
@@ -70,16 +75,19 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     pc.pool_tokens = full_cache_ ? int32_t(std::max<int64_t>((cfg_.max_ctx + 255) / 256 * 256, pc.min_pool_tokens()))
                                  : cfg_.pool_tokens;
     std::vector<PoolLayerSpec> specs;
+    std::vector<ggml_backend_buffer_type_t> layer_bufts;   // a remote layer's pool slice on its server
     paged_index_.assign(hp.n_layer, -1);
     for (int32_t il : model_->global_layers()) {
         if (il >= n_eval_layers_) break;
         paged_index_[il] = int32_t(specs.size());
         specs.push_back({il, hp.n_embd_k(), hp.n_embd_v()});
+        layer_bufts.push_back(model_->layer_buft(il));
     }
+    if (!remote()) layer_bufts.clear();
     const HostStore::Backing backing = parse_host_backing(cfg_.host, cfg_.host_path);
     // On CUDA the pool is in device memory: PagedCache installs the async copy engine
     // (cuda::make_pool_mover, ordered against ggml's compute stream by events) and a pinned host slab.
-    cache_ = std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path);
+    cache_ = std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts);
     const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size());
     if (n_swa_layers > 0) init_swa_ring(n_swa_layers, kvt);
 }
@@ -94,17 +102,30 @@ void Runtime::init_swa_ring(int32_t n_swa_layers, ggml_type kvt) {
     swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
                                             (cfg_.max_ctx + 255) / 256 * 256));
     swa_tokens_ = std::max(swa_tokens_, 256);
-    ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
-    swa_ctx_ = ggml_init(ip);
+    // one context per device holding ring layers (a remote layer's ring is on its server)
+    std::vector<ggml_backend_buffer_type_t> ctx_buft;
     for (int32_t il = 0; il < n_eval_layers_; ++il) {
         if (paged_index_[il] >= 0) continue;
+        ggml_backend_buffer_type_t bt = model_->layer_buft(il);
+        size_t ci = size_t(std::find(ctx_buft.begin(), ctx_buft.end(), bt) - ctx_buft.begin());
+        if (ci == ctx_buft.size()) {
+            ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
+            ctx_buft.push_back(bt);
+            swa_ctxs_.push_back(ggml_init(ip));
+            if (!swa_ctxs_.back()) throw std::runtime_error("cannot allocate the sliding-window cache's metadata");
+        }
         paged_index_[il] = -2 - int32_t(swa_k_.size());  // -2 - ring index
-        swa_k_.push_back(ggml_new_tensor_2d(swa_ctx_, kvt, hp.n_embd_k(), swa_tokens_));
-        swa_v_.push_back(ggml_new_tensor_2d(swa_ctx_, kvt, hp.n_embd_v(), swa_tokens_));
+        swa_k_.push_back(ggml_new_tensor_2d(swa_ctxs_[ci], kvt, hp.n_embd_k(), swa_tokens_));
+        swa_v_.push_back(ggml_new_tensor_2d(swa_ctxs_[ci], kvt, hp.n_embd_v(), swa_tokens_));
     }
-    swa_buf_ = ggml_backend_alloc_ctx_tensors(swa_ctx_, model_->backend());
-    if (!swa_buf_) throw std::runtime_error("cannot allocate the sliding-window cache");
-    ggml_backend_buffer_clear(swa_buf_, 0);
+    for (size_t ci = 0; ci < swa_ctxs_.size(); ++ci) {
+        ggml_backend_buffer_t b = ctx_buft[ci] ? ggml_backend_alloc_ctx_tensors_from_buft(swa_ctxs_[ci], ctx_buft[ci])
+                                               : ggml_backend_alloc_ctx_tensors(swa_ctxs_[ci], model_->backend());
+        if (!b) throw std::runtime_error(std::string("cannot allocate the sliding-window cache") +
+                                         (ctx_buft[ci] ? std::string(" on ") + ggml_backend_buft_name(ctx_buft[ci]) : ""));
+        swa_bufs_.push_back(b);
+        ggml_backend_buffer_clear(b, 0);
+    }
     swa_pos_.assign(swa_tokens_, -1);
 }
 
@@ -113,11 +134,15 @@ Runtime::~Runtime() {
     batch_graph_.reset();
     exact_graph_.reset();
     cache_.reset();
-    if (swa_buf_) ggml_backend_buffer_free(swa_buf_);
-    if (swa_ctx_) ggml_free(swa_ctx_);
+    for (ggml_backend_buffer_t b : swa_bufs_) ggml_backend_buffer_free(b);
+    for (ggml_context *c : swa_ctxs_) ggml_free(c);
 }
 
-size_t Runtime::swa_bytes() const { return swa_buf_ ? ggml_backend_buffer_get_size(swa_buf_) : 0; }
+size_t Runtime::swa_bytes() const {
+    size_t n = 0;
+    for (ggml_backend_buffer_t b : swa_bufs_) n += ggml_backend_buffer_get_size(b);
+    return n;
+}
 
 // The forward graph for n tokens: the model's family builds embed and layers over
 // the caches set up here, the shared head ends it.  Inputs: tokens [n] i32, pos [n]
@@ -211,6 +236,24 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
 }
 
 void Runtime::finish_graph(Graph &g) {
+    if (remote()) {
+        // The scheduler places each node with its weights (a remote layer's on its server, the embedding
+        // and head here; the CPU backend last, where graph inputs go) and copies what crosses devices.
+        std::vector<ggml_backend_t> bs = model_->remote_backends();
+        bs.push_back(model_->backend());
+        const size_t size = size_t(ggml_graph_size(g.gf)) * 2 + 1024;
+        g.sched = ggml_backend_sched_new(bs.data(), nullptr, int(bs.size()), size, false, false);
+        if (!g.sched) throw std::runtime_error("cannot create the graph scheduler");
+        if (!ggml_backend_sched_alloc_graph(g.sched, g.gf))
+            throw std::runtime_error("cannot allocate the compute graph across the RPC servers (out of memory there?)");
+        // What ggml's server would be sent: only ops on kvflash's list (rpc_op_allowed).
+        for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
+            ggml_tensor *t = ggml_graph_node(g.gf, i);
+            if (ggml_backend_sched_get_tensor_backend(g.sched, t) == model_->backend()) continue;
+            if (!rpc_op_allowed(t)) check_rpc_graph(g.gf, i, i + 1);   // throws, naming the node
+        }
+        return;
+    }
     if (!ggml_backend_is_cpu(model_->backend())) {
         // Without a scheduler every node runs on the model's backend: refuse a graph
         // it cannot run here, with the op named, instead of an abort inside ggml.
@@ -229,7 +272,7 @@ void Runtime::finish_graph(Graph &g) {
 }
 
 bool Runtime::use_pool_attn(int32_t n) const {
-    if (!ggml_backend_is_cpu(model_->backend())) return false;
+    if (!ggml_backend_is_cpu(model_->backend()) || remote()) return false;
     if (cfg_.attn == "ggml") return false;
     if (cfg_.attn == "pool") return true;
     return n <= cfg_.pool_attn_max_tokens;
@@ -259,6 +302,9 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     if (opt.one_row_products && !ggml_backend_is_cpu(model_->backend()))
         throw std::invalid_argument("eval: one-row products are the CPU backend's arithmetic; the model is on " +
                                     model_->device().name());
+    if ((opt.exact || opt.one_row_products) && remote())
+        throw std::invalid_argument("eval: exact attention and one-row products are kvflash's CPU kernels; the model "
+                                    "has layers on RPC servers (exact mode runs in one process)");
     if (opt.exact && cfg_.attn == "ggml")
         throw std::invalid_argument("eval: exact attention is kvflash's CPU kernel; this runtime was made with attn='ggml'");
     if (n_past_ + n > cfg_.max_ctx)
@@ -334,8 +380,9 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
             // One graph at a time on the model's backend (model.h): runtimes sharing a model
             // share its CPU work buffer and thread pool (or its CUDA stream).
             std::lock_guard<std::mutex> lock(model_->compute_mutex());
-            if (ggml_backend_graph_compute(model_->backend(), g->gf) != GGML_STATUS_SUCCESS)
-                throw std::runtime_error("eval: graph compute failed");
+            const ggml_status st = g->sched ? ggml_backend_sched_graph_compute(g->sched, g->gf)
+                                            : ggml_backend_graph_compute(model_->backend(), g->gf);
+            if (st != GGML_STATUS_SUCCESS) throw std::runtime_error("eval: graph compute failed");
             sync_for_host_read();
         }
         stats_.t_compute_ms += ms_since(t0);

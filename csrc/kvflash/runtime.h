@@ -150,6 +150,11 @@ public:
     // Keep only the last capture_queries queries of the window (after a capture_all eval).
     void trim_captured();
 
+    // Over a model with layers on RPC servers (Model::remote_layers) graphs run through ggml_backend_sched:
+    // a remote layer's nodes on its server (its weights, pool slice and ring are there), the embedding and
+    // the head here; every node placed on a server is checked against rpc_op_allowed when its graph is
+    // built.  Attention is ggml_flash_attn_ext there ("auto" means "ggml"; "pool" and exact evals are
+    // refused with std::invalid_argument).
     // Whether this runtime's graph for n tokens could be placed on a ggml RPC device (rpc.h): throws
     // std::invalid_argument naming the first node its server must not be sent (kvflash's CPU attention
     // op with attn="pool"/"auto"; attn="ggml" graphs are made of stock ops).  Builds a graph, runs nothing.
@@ -167,6 +172,7 @@ private:
     void set_exact_rows(Graph &g, int64_t pos0, int32_t n);   // the row tables and causal mask of an exact piece
     void keep_captured(const Graph &g, int32_t cap);
     void init_swa_ring(int32_t n_swa_layers, ggml_type kvt);
+    bool remote() const { return !model_->remote_layers().empty(); }
 
     std::shared_ptr<Model> model_;
     RuntimeConfig cfg_;
@@ -176,8 +182,8 @@ private:
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
     // sliding-window ring (gemma3): [n_embd_k, swa_tokens] per sliding layer
     int32_t swa_tokens_ = 0;
-    ggml_context *swa_ctx_ = nullptr;
-    ggml_backend_buffer_t swa_buf_ = nullptr;
+    std::vector<ggml_context *> swa_ctxs_;        // one per device holding ring layers
+    std::vector<ggml_backend_buffer_t> swa_bufs_;
     std::vector<ggml_tensor *> swa_k_, swa_v_;
     std::vector<int64_t> swa_pos_;
     std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;

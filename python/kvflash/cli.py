@@ -24,6 +24,11 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("--allow-long-ctx", action="store_true", help="allow max_ctx above the trained context")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when built with it "
                    "and a device is visible)")
+    p.add_argument("--rpc", default=None, help="host:port[,host:port...]: run contiguous layer ranges on these "
+                   "`kvflash rpc-server`s (their weights and pool slices live there; the protocol has no "
+                   "authentication: trusted networks only)")
+    p.add_argument("--tensor-split", default=None, help="layer shares for --rpc, comma-separated: one per server, "
+                   "optionally one more for this process (the last layers); default: equal, none local")
 
 
 def _pool_arg(value: str):
@@ -43,7 +48,7 @@ def _make_session(a):
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
-                   exact_prefill=a.kvflash_exact_prefill)
+                   exact_prefill=a.kvflash_exact_prefill, rpc=a.rpc, tensor_split=a.tensor_split)
 
 
 def _say_why_it_stopped(s) -> None:

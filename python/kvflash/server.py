@@ -514,7 +514,10 @@ def serve(args) -> int:
     path = resolve_model(args.model)
     from .system import usable_cores
     from .devices import resolve_device
-    model = _core.Model(str(path), args.threads or usable_cores(), device=resolve_device(args.device))
+    from .session import _rpc_args
+    rpc, split = _rpc_args(getattr(args, "rpc", None), getattr(args, "tensor_split", None))
+    model = _core.Model(str(path), args.threads or usable_cores(), device=resolve_device(args.device), rpc=rpc,
+                        tensor_split=split)
     sessions = [Session(model, max_ctx=args.max_ctx, kvflash=_pool_arg(args.kvflash), policy=args.kvflash_policy,
                         drafter=args.prefill_drafter, tau=args.kvflash_tau, kv_type=args.kv_type, seed=args.seed,
                         allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),

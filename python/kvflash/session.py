@@ -123,6 +123,33 @@ def _snapshot_app(snap, path) -> dict:
 MAX_DRAFT = 16   # drafts per exact-mode round, at most
 
 
+def _rpc_args(rpc, tensor_split):
+    """rpc= and tensor_split= as the core takes them: ([endpoint, ...], [weight, ...]), checked."""
+    if rpc is None:
+        rpc = []
+    elif isinstance(rpc, str):
+        rpc = [e for e in rpc.split(",") if e]
+    else:
+        rpc = list(rpc)
+    if not all(isinstance(e, str) for e in rpc):
+        raise ValueError(f"rpc must be 'host:port' strings (or one comma-separated string), got {rpc!r}")
+    for e in rpc:
+        _core.check_rpc_endpoint(e)
+    if tensor_split is None:
+        split = []
+    else:
+        if isinstance(tensor_split, str):
+            tensor_split = [x for x in tensor_split.split(",") if x]
+        try:
+            split = [float(x) for x in tensor_split]
+        except (TypeError, ValueError):
+            raise ValueError(f"tensor_split must be numbers (one weight per rpc endpoint, and optionally one more for "
+                             f"this process), got {tensor_split!r}") from None
+        if not rpc:
+            raise ValueError("tensor_split needs rpc endpoints to split the layers over")
+    return rpc, split
+
+
 class _SpecStats:
     """Exact mode's counters, and the draft length chosen from them.  A round of k drafts keeps
     (1 - a^(k+1)) / (1 - a) tokens on average (a: the per-draft acceptance) and costs
@@ -234,7 +261,8 @@ class Session:
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
                  ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
                  max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
-                 exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False):
+                 exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False,
+                 rpc: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None):
         if kv_type not in ("f16", "q8_0", "q4_0"):
             raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -254,7 +282,14 @@ class Session:
             raise ValueError(f"tau must be a positive integer (decoded tokens between rescores), got {tau!r}")
         if kvflash is not None and kvflash != "auto" and (not isinstance(kvflash, int) or isinstance(kvflash, bool)):
             raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
+        rpc, tensor_split = _rpc_args(rpc, tensor_split)
+        if rpc and (exact or exact_prefill):
+            raise ValueError("exact=True and exact_prefill=True read the host store in place with kvflash's CPU "
+                             "kernel in one process; they cannot run with layers on RPC servers (rpc=...)")
         if isinstance(model, _core.Model):
+            if rpc:
+                raise ValueError("rpc= places a model's layers when it is loaded; this Model is already loaded: pass "
+                                 "rpc and tensor_split to kvflash._core.Model (or give Session a path)")
             # Sessions may share one loaded Model (the server's slots): its compute is serialized
             # per model, each session keeps its own pool and host store.
             self.model_path = Path(model.path)
@@ -264,8 +299,10 @@ class Session:
             device = resolve_device(device)
             self.model_path = resolve_model(model)
             self.threads = threads or usable_cores()
-            self.model = _core.Model(str(self.model_path), self.threads, device=device)
+            self.model = _core.Model(str(self.model_path), self.threads, device=device, rpc=rpc,
+                                     tensor_split=tensor_split)
         self.device = self.model.device
+        self.remote_layers = list(self.model.remote_layers)
         if exact and not str(self.device).startswith("cpu"):
             raise ValueError(f"exact=True verifies on the CPU backend (its attention reads the host store in place); "
                              f"the model is on {self.device}: use device='cpu'")
@@ -415,6 +452,9 @@ class Session:
                 f"policy={self.policy.name}{self._policy_note}{mode}")
         if self.auto_reason:
             line += f"\n[kvflash] auto pool: {self.auto_reason}"
+        for r in self.remote_layers:
+            line += (f"\n[kvflash] layers {r['first']}-{r['last'] - 1} on the RPC server {r['endpoint']} "
+                     f"({r['weight_bytes'] / 2**20:.0f} MiB of weights there, their pool slice too)")
         return line
 
     # ------------------------------------------------------------------ one caller at a time
@@ -977,4 +1017,5 @@ class Session:
             "threads": self.threads,
             "kv_type": self.kv_type,
             **(self._spec.stats(self._decode_s) if self.exact else {}),
+            **({"rpc": [dict(r) for r in self.remote_layers]} if self.remote_layers else {}),
         }
