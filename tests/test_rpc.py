@@ -236,10 +236,15 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     prompt = np.random.default_rng(1).integers(1, 200, 600).astype(np.int32)
     runs = []
     for m in (local, remote):
-        rt = core.Runtime(m, max_ctx=1024, pool_tokens=256, chunk_tokens=16, attn="ggml", capture_queries=4)
+        rt = core.Runtime(m, max_ctx=1024, pool_tokens=256, chunk_tokens=16, attn="ggml", capture_queries=12)
         toks, logits = _greedy(rt, prompt, 12)
         assert rt.pager.stats["page_outs"] > 0
-        scores = rt.qk_peak_scores((rt.n_past + 15) // 16, n_queries=4, contrast=0)
+        # the remote layers' share of the scores is computed on their servers (the keys stay there)
+        scores = rt.qk_peak_scores((rt.n_past + 15) // 16, n_queries=4, contrast=8)
+        if runs:
+            np.testing.assert_allclose(scores, runs[0][2], rtol=2e-4, atol=1e-6)
+            assert list(np.argsort(-scores)[:8]) == list(np.argsort(-runs[0][2])[:8])
+            scores = runs[0][2]   # the same selection, so the rest compares bit for bit
         rt.pager.reselect(scores)
         t2, l2 = _greedy(rt, np.array([toks[-1]], dtype=np.int32), 8)
         rt.truncate(rt.n_past - 5)
@@ -249,7 +254,6 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     (ta, la, sa, pa), (tb, lb, sb, pb) = runs
     assert pa["page_ins"] > 0 and pb["page_ins"] == pa["page_ins"]
     assert ta == tb
-    np.testing.assert_array_equal(sa, sb)
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(x, y)
     del remote

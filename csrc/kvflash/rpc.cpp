@@ -219,6 +219,8 @@ bool rpc_op_allowed(const ggml_tensor *node) {
         case GGML_OP_GLU:
         case GGML_OP_CONCAT:
         case GGML_OP_SUM_ROWS:
+        case GGML_OP_SUB:
+        case GGML_OP_POOL_1D:   // the remote share of a rescore (scoring.cpp)
             return true;
         case GGML_OP_UNARY:
             switch (ggml_get_unary_op(node)) {

@@ -4,11 +4,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <thread>
 
+#include "ggml-alloc.h"
 #include "kvflash/attn_cpu.h"
+#include "kvflash/rpc.h"
 
 namespace kvflash {
 
@@ -141,6 +146,209 @@ void gather_history_rows(const Runtime &rt, int32_t il, int32_t n_chunks, int64_
     }
 }
 
+// ---- the remote share: a layer whose pool slice is on an RPC server (Model::remote_layers)
+//
+// The softmax of a query head runs over the whole history, part resident on the server, part in the
+// client's host store.  Round 1: the server computes, per (query, head), the max and the sum of exps of
+// its resident slots' logits (stock ops: the K rows cast to f32, one product, a max pool, exp, row sums)
+// and returns those two numbers; the client computes the same for its host-store rows, and merges them
+// into the history's max M and normaliser Z.  Round 2: the server sends, per resident slot, the max over
+// heads of sum_i exp(logit - M) / Z / n_queries (the score history_attention gives a token), and the client
+// computes it for its rows.  Per layer the wire carries the queries and a visibility mask up and a few
+// floats per query head and one per slot down, never the keys.  The logits are f32 dot products of
+// dequantized keys as on the client, summed in ggml's order: scores agree with the local path to float
+// rounding, not bit for bit.
+struct RemoteShare {
+    const Runtime &rt;
+    ggml_backend_t backend;
+    ggml_backend_buffer_type_t buft;
+    std::vector<int32_t> layers;   // paged layer indices on this server
+};
+
+void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_count, int64_t n_pos,
+                              const std::vector<size_t> &host_off, float *out, int64_t n_out) {
+    const Runtime &rt = rs.rt;
+    const Hparams &hp = rt.model().hparams();
+    const Pager &pg = rt.pager();
+    const KVPool &pool = rt.pool();
+    const int32_t D = hp.head_dim_k, H = hp.n_head, G = H / hp.n_head_kv, C = rt.config().chunk_tokens;
+    const int32_t nq = q_count, nc = rt.n_captured(), S = pg.used_extent();
+    const float scale = hp.attn_scale, ninf = -std::numeric_limits<float>::infinity();
+    const size_t NL = rs.layers.size(), QH = size_t(nq) * H;
+    std::vector<int64_t> qpos(nq);
+    for (int32_t i = 0; i < nq; ++i) qpos[i] = rt.n_past() - nc + q_first + i;
+    // resident slots: their positions and the mask (0 visible, -1e30 not), [nq][S]
+    const std::vector<int64_t> &sp = pg.slot_positions();
+    std::vector<float> mask(size_t(std::max(S, 1)) * nq, -1e30f);
+    std::vector<uint8_t> any_dev(QH, 0);
+    for (int32_t i = 0; i < nq; ++i)
+        for (int32_t s = 0; s < S; ++s)
+            if (sp[size_t(s)] >= 0 && sp[size_t(s)] < n_pos && sp[size_t(s)] <= qpos[i]) {
+                mask[size_t(i) * S + s] = 0.f;
+                for (int32_t h = 0; h < H; ++h) any_dev[size_t(h) * nq + i] = 1;
+            }
+    // host-store rows: (chunk's row pointer offset, position)
+    struct HostRow { const uint8_t *chunk; int32_t j; int64_t pos; };
+    std::vector<HostRow> hrows;
+    const int32_t n_chunks = int32_t((n_pos + C - 1) / C);
+    for (int32_t c = 0; c < std::min(n_chunks, pg.n_chunks()); ++c) {
+        if (pg.block_of(c) >= 0 || pg.host_of(c) < 0) continue;
+        const int32_t w = int32_t(std::min<int64_t>(pg.n_written(c), n_pos - int64_t(c) * C));
+        for (int32_t j = 0; j < w; ++j) hrows.push_back({pg.host_store().ptr(pg.host_of(c)), j, int64_t(c) * C + j});
+    }
+    // queries of each layer as [H][nq][D] (ggml [D, nq, H]: heads outermost, for the product's broadcast)
+    std::vector<std::vector<float>> qs(NL, std::vector<float>(QH * D));
+    for (size_t l = 0; l < NL; ++l) {
+        const float *q = rt.captured_queries().data() + (size_t(rs.layers[l]) * nc + q_first) * H * D;
+        for (int32_t i = 0; i < nq; ++i)
+            for (int32_t h = 0; h < H; ++h)
+                std::memcpy(&qs[l][(size_t(h) * nq + i) * D], q + (size_t(i) * H + h) * D, size_t(D) * sizeof(float));
+    }
+    // the client's rows: logits [row][h][i] (scaled; -inf where the query does not see the row), partials
+    std::vector<std::vector<float>> hlog(NL);
+    std::vector<float> mh(NL * QH, ninf), Zh(NL * QH, 0.f);
+    std::vector<float> krow(size_t(hp.n_embd_k()));
+    for (size_t l = 0; l < NL; ++l) {
+        const ggml_tensor *k = pool.k(rs.layers[l]);
+        const auto *tr = ggml_get_type_traits(k->type);
+        hlog[l].assign(hrows.size() * QH, ninf);
+        for (size_t r = 0; r < hrows.size(); ++r) {
+            const uint8_t *row = hrows[r].chunk + host_off[size_t(rs.layers[l])] + size_t(hrows[r].j) * k->nb[1];
+            if (k->type == GGML_TYPE_F32) std::memcpy(krow.data(), row, krow.size() * sizeof(float));
+            else tr->to_float(row, krow.data(), int64_t(krow.size()));
+            for (int32_t h = 0; h < H; ++h)
+                for (int32_t i = 0; i < nq; ++i) {
+                    if (hrows[r].pos > qpos[i]) continue;
+                    const float *qv = &qs[l][(size_t(h) * nq + i) * D], *kv = &krow[size_t(h / G) * D];
+                    float d = 0.f;
+                    for (int32_t e = 0; e < D; ++e) d += qv[e] * kv[e];
+                    hlog[l][r * QH + size_t(h) * nq + i] = d * scale;
+                }
+        }
+        for (size_t r = 0; r < hrows.size(); ++r)
+            for (size_t a = 0; a < QH; ++a) mh[l * QH + a] = std::max(mh[l * QH + a], hlog[l][r * QH + a]);
+        for (size_t r = 0; r < hrows.size(); ++r)
+            for (size_t a = 0; a < QH; ++a)
+                if (hlog[l][r * QH + a] != ninf) Zh[l * QH + a] += std::exp(hlog[l][r * QH + a] - mh[l * QH + a]);
+    }
+    std::vector<float> Mg(NL * QH, 0.f), Winv(NL * QH, 0.f);
+    std::vector<float> dev_scores;
+    if (S > 0) {
+        // inputs on the server: the mask, and per layer the queries, the history's max and 1 / (Z * nq)
+        ggml_init_params ip{ggml_tensor_overhead() * (3 * NL + 2), nullptr, true};
+        std::unique_ptr<ggml_context, void (*)(ggml_context *)> cin(ggml_init(ip), ggml_free);
+        if (!cin) throw std::runtime_error("remote scoring: ggml_init failed");
+        ggml_tensor *tmask = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, S, nq, 1);
+        std::vector<ggml_tensor *> tq(NL), tm(NL), tw(NL);
+        for (size_t l = 0; l < NL; ++l) {
+            tq[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, D, nq, H);
+            tm[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, 1, nq, H);
+            tw[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, 1, nq, H);
+        }
+        struct BufFree { void operator()(ggml_backend_buffer_t b) const { ggml_backend_buffer_free(b); } };
+        std::unique_ptr<ggml_backend_buffer, BufFree> bin(ggml_backend_alloc_ctx_tensors_from_buft(cin.get(), rs.buft));
+        if (!bin) throw std::runtime_error("remote scoring: the server could not allocate the queries");
+        std::lock_guard<std::mutex> lock(rt.model().compute_mutex());   // the server's connection is the model's
+        ggml_backend_tensor_set(tmask, mask.data(), 0, ggml_nbytes(tmask));
+        for (size_t l = 0; l < NL; ++l) ggml_backend_tensor_set(tq[l], qs[l].data(), 0, ggml_nbytes(tq[l]));
+        // the masked, scaled logits of layer l: [S, nq, H]
+        auto logits = [&](ggml_context *ctx, size_t l) {
+            ggml_tensor *k = pool.k(rs.layers[l]);
+            ggml_tensor *k32 = ggml_cast(ctx, ggml_view_2d(ctx, k, k->ne[0], S, k->nb[1], 0), GGML_TYPE_F32);
+            ggml_tensor *k3 = ggml_view_3d(ctx, k32, D, S, hp.n_head_kv, k32->nb[1], size_t(D) * sizeof(float), 0);
+            return ggml_add(ctx, ggml_scale(ctx, ggml_mul_mat(ctx, k3, tq[l]), scale), tmask);
+        };
+        const size_t max_nodes = 32 * NL + 16;
+        auto run = [&](auto &&build) {
+            std::vector<uint8_t> meta(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
+            ggml_init_params gp{meta.size(), meta.data(), true};
+            std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx(ggml_init(gp), ggml_free);
+            ggml_cgraph *gf = ggml_new_graph_custom(ctx.get(), max_nodes, false);
+            std::vector<ggml_tensor *> outs = build(ctx.get());
+            for (ggml_tensor *t : outs) {
+                ggml_set_output(t);
+                ggml_build_forward_expand(gf, t);
+            }
+            check_rpc_graph(gf);   // stock ops only
+            std::unique_ptr<std::remove_pointer_t<ggml_gallocr_t>, void (*)(ggml_gallocr_t)> ga(ggml_gallocr_new(rs.buft),
+                                                                                                ggml_gallocr_free);
+            if (!ggml_gallocr_alloc_graph(ga.get(), gf)) throw std::runtime_error("remote scoring: cannot allocate the graph");
+            if (ggml_backend_graph_compute(rs.backend, gf) != GGML_STATUS_SUCCESS)
+                throw std::runtime_error("remote scoring: graph compute failed");
+            std::vector<std::vector<float>> got;
+            for (ggml_tensor *t : outs) {
+                got.emplace_back(size_t(ggml_nelements(t)));
+                ggml_backend_tensor_get(t, got.back().data(), 0, ggml_nbytes(t));
+            }
+            return got;
+        };
+        // round 1: per (query, head) the resident slots' max and sum of exps
+        auto r1 = run([&](ggml_context *ctx) {
+            std::vector<ggml_tensor *> o;
+            for (size_t l = 0; l < NL; ++l) {
+                ggml_tensor *ms = logits(ctx, l);
+                ggml_tensor *m = ggml_pool_1d(ctx, ggml_reshape_2d(ctx, ms, S, int64_t(QH)), GGML_OP_POOL_MAX, S, S, 0);
+                ggml_tensor *e = ggml_exp(ctx, ggml_sub(ctx, ms, ggml_reshape_3d(ctx, m, 1, nq, H)));
+                o.push_back(m);
+                o.push_back(ggml_sum_rows(ctx, e));
+            }
+            return o;
+        });
+        for (size_t l = 0; l < NL; ++l)
+            for (size_t a = 0; a < QH; ++a) {
+                // [1, nq, H] in memory is [h][i]: a = h * nq + i, as the client's partials
+                const float md = any_dev[a] ? r1[2 * l][a] : ninf, Zd = any_dev[a] ? r1[2 * l + 1][a] : 0.f;
+                const float M = std::max(md, mh[l * QH + a]);
+                if (M == ninf) continue;   // this query sees no key of the history in this layer
+                const float Z = (Zd > 0 ? Zd * std::exp(md - M) : 0.f) + (Zh[l * QH + a] > 0 ? Zh[l * QH + a] * std::exp(mh[l * QH + a] - M) : 0.f);
+                Mg[l * QH + a] = M;
+                Winv[l * QH + a] = Z > 0 ? 1.f / Z / float(nq) : 0.f;
+            }
+        for (size_t l = 0; l < NL; ++l) {
+            ggml_backend_tensor_set(tm[l], &Mg[l * QH], 0, QH * sizeof(float));
+            ggml_backend_tensor_set(tw[l], &Winv[l * QH], 0, QH * sizeof(float));
+        }
+        // round 2: per resident slot, the max over heads of the queries' mean probability
+        auto r2 = run([&](ggml_context *ctx) {
+            std::vector<ggml_tensor *> o;
+            for (size_t l = 0; l < NL; ++l) {
+                ggml_tensor *p = ggml_mul(ctx, ggml_exp(ctx, ggml_sub(ctx, logits(ctx, l), tm[l])), tw[l]);   // [S, nq, H]
+                ggml_tensor *ps = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3)));      // [1, S, H]
+                ggml_tensor *ph = ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, ps, S, H)));         // [H, S]
+                o.push_back(ggml_pool_1d(ctx, ph, GGML_OP_POOL_MAX, H, H, 0));                                 // [1, S]
+            }
+            return o;
+        });
+        for (size_t l = 0; l < NL; ++l)
+            for (int32_t s = 0; s < S; ++s) {
+                const int64_t pos = sp[size_t(s)];
+                if (pos >= 0 && pos < n_pos && pos < n_out) out[pos] = std::max(out[pos], r2[l][size_t(s)]);
+            }
+    } else {
+        for (size_t l = 0; l < NL; ++l)
+            for (size_t a = 0; a < QH; ++a)
+                if (mh[l * QH + a] != ninf) {
+                    Mg[l * QH + a] = mh[l * QH + a];
+                    Winv[l * QH + a] = 1.f / Zh[l * QH + a] / float(nq);
+                }
+    }
+    // the client's rows with the merged normalisers
+    for (size_t l = 0; l < NL; ++l)
+        for (size_t r = 0; r < hrows.size(); ++r) {
+            float best = 0.f;
+            for (int32_t h = 0; h < H; ++h) {
+                float acc = 0.f;
+                for (int32_t i = 0; i < nq; ++i) {
+                    const size_t a = size_t(h) * nq + i;
+                    const float lg = hlog[l][r * QH + a];
+                    if (lg != ninf) acc += std::exp(lg - Mg[l * QH + a]) * Winv[l * QH + a];
+                }
+                best = std::max(best, acc);
+            }
+            if (hrows[r].pos < n_out) out[hrows[r].pos] = std::max(out[hrows[r].pos], best);
+        }
+}
+
 }  // namespace
 
 void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threads, bool per_chunk,
@@ -170,7 +378,29 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
     std::vector<int64_t> qpos(q_count);
     for (int32_t i = 0; i < q_count; ++i) qpos[i] = n_past - nc + q_first + i;
 
-    const int32_t T = std::max(1, std::min(n_threads, L));
+    // Token scores of layers whose pool slice is on an RPC server are computed there (the keys stay on
+    // the server: remote_history_attention); the rest from rows read here.
+    std::vector<int32_t> local;
+    std::vector<RemoteShare> remote;
+    const Model &model = rt.model();
+    for (int32_t il = 0; il < L; ++il) {
+        const int32_t r = model.layer_remote(pool.layer(il).layer);
+        if (r < 0 || per_chunk || groups || pool.layer_host_accessible(il)) {
+            local.push_back(il);
+            continue;
+        }
+        auto it = std::find_if(remote.begin(), remote.end(), [&](const RemoteShare &x) {
+            return x.backend == model.remote_backends()[size_t(r)];
+        });
+        if (it == remote.end()) {
+            remote.push_back({rt, model.remote_backends()[size_t(r)], model.layer_buft(pool.layer(il).layer), {}});
+            it = remote.end() - 1;
+        }
+        it->layers.push_back(il);
+    }
+    for (const RemoteShare &rs : remote) remote_history_attention(rs, q_first, q_count, n_pos, host_off, out, n);
+    const int32_t NLoc = int32_t(local.size());
+    const int32_t T = std::max(1, std::min(n_threads, NLoc));
     std::vector<std::vector<float>> accs(T, std::vector<float>(size_t(n), 0.f));
     std::vector<std::thread> workers;
     std::vector<std::string> errors(T);
@@ -178,7 +408,8 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
         try {
             std::vector<uint8_t> rows, pool_rows;
             std::vector<int64_t> row_pos;
-            for (int32_t il = t; il < L; il += T) {
+            for (int32_t li = t; li < NLoc; li += T) {
+                const int32_t il = local[size_t(li)];
                 gather_history_rows(rt, il, n_chunks, n_pos, host_off, rows, pool_rows, row_pos);
                 const float *q = rt.captured_queries().data() + (size_t(il) * nc + q_first) * H * D;
                 attention_probs_rows(q, q_count, H, hp.n_head_kv, D, pool.k(il)->type, rows.data(), pool.k(il)->nb[1],
@@ -189,8 +420,8 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
             errors[t] = e.what();
         }
     };
-    for (int32_t t = 1; t < T; ++t) workers.emplace_back(worker, t);
-    worker(0);
+    for (int32_t t = 1; t < T && NLoc > 0; ++t) workers.emplace_back(worker, t);
+    if (NLoc > 0) worker(0);
     for (auto &th : workers) th.join();
     for (const auto &e : errors)
         if (!e.empty()) throw std::runtime_error("history_attention: " + e);
