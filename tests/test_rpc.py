@@ -316,3 +316,16 @@ def test_smollm2_split_15_15_over_two_servers_greedy_identical():
     assert ta == tb
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(rpc=["127.0.0.1:1"], exact=True), "RPC servers"),
+    (dict(rpc="127.0.0.1:1", exact_prefill=True), "RPC servers"),
+    (dict(tensor_split=[1, 1]), "needs rpc endpoints"),
+    (dict(rpc=["127.0.0.1"]), "rpc endpoint"),
+    (dict(rpc=["127.0.0.1:1"], tensor_split="1,x"), "tensor_split must be numbers"),
+])
+def test_session_checks_its_rpc_arguments_before_loading(kw, msg):
+    import kvflash
+    with pytest.raises(ValueError, match=msg):
+        kvflash.Session("/nonexistent.gguf", verbose=False, **kw)
