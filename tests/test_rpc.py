@@ -329,3 +329,30 @@ def test_session_checks_its_rpc_arguments_before_loading(kw, msg):
     import kvflash
     with pytest.raises(ValueError, match=msg):
         kvflash.Session("/nonexistent.gguf", verbose=False, **kw)
+
+
+def test_c_api_loads_a_model_split_over_servers(tmp_path, two_servers):
+    """kvflash_model_load_rpc loads over live servers; a dead endpoint, a split of the wrong length and an
+    empty endpoint list are error strings, not aborts."""
+    import ctypes
+    from kvflash import capi
+    lib = ctypes.CDLL(str(capi.library_path()))
+    V, I32 = ctypes.c_void_p, ctypes.c_int32
+    lib.kvflash_model_load_rpc.restype = V
+    lib.kvflash_model_load_rpc.argtypes = [ctypes.c_char_p, I32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float),
+                                           ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    lib.kvflash_model_free.argtypes = [V]
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, "llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    err = ctypes.create_string_buffer(512)
+    split = (ctypes.c_float * 3)(1, 1, 2)
+    m = lib.kvflash_model_load_rpc(str(path).encode(), 1, ",".join(two_servers).encode(), split, 3, err, 512)
+    assert m, err.value.decode()
+    lib.kvflash_model_free(m)
+    dead = f"127.0.0.1:{_free_port()}".encode()
+    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, dead, None, 0, err, 512)
+    assert b"cannot connect" in err.value
+    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, two_servers[0].encode(), split, 3, err, 512)
+    assert b"tensor_split" in err.value
+    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, b",", None, 0, err, 512)
+    assert b"no endpoint" in err.value

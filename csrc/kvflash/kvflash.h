@@ -48,7 +48,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 6
+#define KVFLASH_API_VERSION 7
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -127,6 +127,14 @@ struct kvflash_sampling kvflash_default_sampling(void);
 /* n_threads <= 0: the machine's cores.  Returns NULL on failure with the reason in err;
  * nothing is left allocated then. */
 kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err, size_t err_len);
+/* Since API version 7: the same with contiguous layer ranges on `kvflash rpc-server` processes (ggml's
+ * RPC protocol: no authentication, trusted networks only).  rpc: comma-separated "host:port" endpoints;
+ * tensor_split (NULL: equal shares, none local): n_split weights, one per endpoint and optionally one more
+ * for this process's share (the last layers).  The embedding and output head stay here; sessions over the
+ * model keep those layers' pool slices on their servers.  A server that does not answer is an error in
+ * err, never an abort; a server that goes away while the model is loaded is (ggml's client aborts). */
+kvflash_model *kvflash_model_load_rpc(const char *path, int32_t n_threads, const char *rpc, const float *tensor_split,
+                                      size_t n_split, char *err, size_t err_len);
 void kvflash_model_free(kvflash_model *model);
 int32_t kvflash_model_n_vocab(const kvflash_model *model);
 int64_t kvflash_model_n_ctx_train(const kvflash_model *model);

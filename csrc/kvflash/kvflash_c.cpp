@@ -202,6 +202,40 @@ kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err
     return nullptr;
 }
 
+kvflash_model *kvflash_model_load_rpc(const char *path, int32_t n_threads, const char *rpc, const float *tensor_split,
+                                      size_t n_split, char *err, size_t err_len) {
+    if (!path || !rpc) {
+        put_err(err, err_len, "path and rpc are required");
+        return nullptr;
+    }
+    if (n_split > 0 && !tensor_split) {
+        put_err(err, err_len, "tensor_split is NULL but n_split > 0");
+        return nullptr;
+    }
+    try {
+        std::vector<std::string> eps;
+        std::string cur;
+        for (const char *c = rpc;; ++c) {
+            if (*c == ',' || *c == '\0') {
+                if (!cur.empty()) eps.push_back(cur);
+                cur.clear();
+                if (*c == '\0') break;
+            } else {
+                cur += *c;
+            }
+        }
+        if (eps.empty()) throw std::invalid_argument("rpc names no endpoint (\"host:port,host:port\")");
+        auto h = std::make_unique<kvflash_model>();
+        h->m = kvflash::Model::load(path, n_threads, "cpu", eps, std::vector<float>(tensor_split, tensor_split + n_split));
+        return h.release();
+    } catch (const std::exception &e) {
+        put_err(err, err_len, e.what());
+    } catch (...) {
+        put_err(err, err_len, "unknown error while loading the model");
+    }
+    return nullptr;
+}
+
 void kvflash_model_free(kvflash_model *model) { delete model; }
 
 int32_t kvflash_model_n_vocab(const kvflash_model *model) { return model ? model->m->hparams().n_vocab : 0; }
