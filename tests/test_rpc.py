@@ -22,6 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tinygguf import write_tiny_model  # noqa: E402
 
 
+def _tiny(tmp_path, arch: str, n_layer: int = 2):
+    """A tiny random model (gemma3: six layers with a 16-token sliding window, so some layers are global)."""
+    kw = dict(n_layer=n_layer, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    if arch == "gemma3":
+        kw.update(n_layer=6, gemma_sliding_window=16)
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch, **kw)
+    return str(path), kw["n_layer"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,24 +40,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvflash", "rpc-server", "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    ep = f"127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            core.rpc_device_memory(ep)
-            break
-        except RuntimeError:
-            if proc.poll() is not None or time.time() > deadline:
-                out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
-                proc.kill()
-                pytest.fail(f"rpc-server did not come up: {out}")
-            time.sleep(0.2)
-    yield ep
-    proc.kill()
-    proc.wait()
+    return _start_server()[1]
 
 
 def test_server_answers_with_its_memory(server):
@@ -105,12 +98,8 @@ def test_cli_refuses_a_public_bind_without_allow_remote():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_custom_attention_op_is_never_sent_to_a_remote_device(tmp_path, arch):
-    kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
-    if arch == "gemma3":
-        kw.update(n_layer=6, gemma_sliding_window=16)
-    path = tmp_path / f"{arch}.gguf"
-    write_tiny_model(path, arch, **kw)
-    m = core.Model(str(path), n_threads=1)
+    path, _ = _tiny(tmp_path, arch)
+    m = core.Model(path, n_threads=1)
     pooled = core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16, attn="pool")
     with pytest.raises(ValueError, match="custom op"):
         pooled.check_rpc_ops(4)
@@ -222,14 +211,9 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     """Layers split over two loopback servers (weights, pool slices and the sliding-window ring there; the
     embedding and head here) give the single process's logits bit for bit with ggml's attention, through
     page-outs of remote pool slices, a qk rescore that recalls chunks into other blocks, and a truncate."""
-    kw = dict(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
-    if arch == "gemma3":
-        kw.update(n_layer=6, gemma_sliding_window=16)
-    path = tmp_path / f"{arch}.gguf"
-    write_tiny_model(path, arch, **kw)
-    local = core.Model(str(path), n_threads=1)
-    remote = core.Model(str(path), n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 1])
-    L = kw["n_layer"]
+    path, L = _tiny(tmp_path, arch, n_layer=4)
+    local = core.Model(path, n_threads=1)
+    remote = core.Model(path, n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 1])
     assert [(r["endpoint"], r["first"], r["last"]) for r in remote.remote_layers] == \
         [(two_servers[0], 0, round(L / 3)), (two_servers[1], round(L / 3), round(2 * L / 3))]
     assert any(p.startswith("RPC " + two_servers[0]) for p in remote.weight_placement)
@@ -260,9 +244,8 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
 
 
 def test_remote_layers_refuse_what_a_server_cannot_run(tmp_path, two_servers):
-    path = tmp_path / "llama.gguf"
-    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
-    m = core.Model(str(path), n_threads=1, rpc=[two_servers[0]])
+    path, _ = _tiny(tmp_path, "llama", n_layer=2)
+    m = core.Model(path, n_threads=1, rpc=[two_servers[0]])
     with pytest.raises(ValueError, match="RPC server cannot run"):
         core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16, attn="pool")
     rt = core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16)   # "auto": ggml's attention
@@ -277,12 +260,11 @@ def test_remote_layers_refuse_what_a_server_cannot_run(tmp_path, two_servers):
 
 
 def test_a_server_that_is_not_there_fails_the_load_not_the_process(tmp_path):
-    path = tmp_path / "llama.gguf"
-    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    path, _ = _tiny(tmp_path, "llama", n_layer=2)
     with pytest.raises(RuntimeError, match="cannot connect"):
-        core.Model(str(path), n_threads=1, rpc=[f"127.0.0.1:{_free_port()}"])
+        core.Model(path, n_threads=1, rpc=[f"127.0.0.1:{_free_port()}"])
     with pytest.raises(ValueError, match="tensor_split"):
-        core.Model(str(path), n_threads=1, rpc=["127.0.0.1:1"], tensor_split=[1, 1, 1])
+        core.Model(path, n_threads=1, rpc=["127.0.0.1:1"], tensor_split=[1, 1, 1])
 
 
 @pytest.mark.model
@@ -342,17 +324,16 @@ def test_c_api_loads_a_model_split_over_servers(tmp_path, two_servers):
     lib.kvflash_model_load_rpc.argtypes = [ctypes.c_char_p, I32, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float),
                                            ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
     lib.kvflash_model_free.argtypes = [V]
-    path = tmp_path / "llama.gguf"
-    write_tiny_model(path, "llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256)
+    path, _ = _tiny(tmp_path, "llama", n_layer=4)
     err = ctypes.create_string_buffer(512)
     split = (ctypes.c_float * 3)(1, 1, 2)
-    m = lib.kvflash_model_load_rpc(str(path).encode(), 1, ",".join(two_servers).encode(), split, 3, err, 512)
+    m = lib.kvflash_model_load_rpc(path.encode(), 1, ",".join(two_servers).encode(), split, 3, err, 512)
     assert m, err.value.decode()
     lib.kvflash_model_free(m)
     dead = f"127.0.0.1:{_free_port()}".encode()
-    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, dead, None, 0, err, 512)
+    assert not lib.kvflash_model_load_rpc(path.encode(), 1, dead, None, 0, err, 512)
     assert b"cannot connect" in err.value
-    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, two_servers[0].encode(), split, 3, err, 512)
+    assert not lib.kvflash_model_load_rpc(path.encode(), 1, two_servers[0].encode(), split, 3, err, 512)
     assert b"tensor_split" in err.value
-    assert not lib.kvflash_model_load_rpc(str(path).encode(), 1, b",", None, 0, err, 512)
+    assert not lib.kvflash_model_load_rpc(path.encode(), 1, b",", None, 0, err, 512)
     assert b"no endpoint" in err.value

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -185,14 +186,12 @@ kvflash_sampling kvflash_default_sampling(void) {
     return s;
 }
 
-kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err, size_t err_len) {
-    if (!path) {
-        put_err(err, err_len, "path is NULL");
-        return nullptr;
-    }
+// Model::load behind the C API's error convention: the reason in err, NULL, nothing left allocated.
+static kvflash_model *load_model(const std::function<std::shared_ptr<kvflash::Model>()> &load, char *err,
+                                 size_t err_len) {
     try {
         auto h = std::make_unique<kvflash_model>();
-        h->m = kvflash::Model::load(path, n_threads);
+        h->m = load();
         return h.release();
     } catch (const std::exception &e) {
         put_err(err, err_len, e.what());
@@ -200,6 +199,14 @@ kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err
         put_err(err, err_len, "unknown error while loading the model");
     }
     return nullptr;
+}
+
+kvflash_model *kvflash_model_load(const char *path, int32_t n_threads, char *err, size_t err_len) {
+    if (!path) {
+        put_err(err, err_len, "path is NULL");
+        return nullptr;
+    }
+    return load_model([&] { return kvflash::Model::load(path, n_threads); }, err, err_len);
 }
 
 kvflash_model *kvflash_model_load_rpc(const char *path, int32_t n_threads, const char *rpc, const float *tensor_split,
@@ -212,7 +219,7 @@ kvflash_model *kvflash_model_load_rpc(const char *path, int32_t n_threads, const
         put_err(err, err_len, "tensor_split is NULL but n_split > 0");
         return nullptr;
     }
-    try {
+    return load_model([&] {
         std::vector<std::string> eps;
         std::string cur;
         for (const char *c = rpc;; ++c) {
@@ -225,15 +232,8 @@ kvflash_model *kvflash_model_load_rpc(const char *path, int32_t n_threads, const
             }
         }
         if (eps.empty()) throw std::invalid_argument("rpc names no endpoint (\"host:port,host:port\")");
-        auto h = std::make_unique<kvflash_model>();
-        h->m = kvflash::Model::load(path, n_threads, "cpu", eps, std::vector<float>(tensor_split, tensor_split + n_split));
-        return h.release();
-    } catch (const std::exception &e) {
-        put_err(err, err_len, e.what());
-    } catch (...) {
-        put_err(err, err_len, "unknown error while loading the model");
-    }
-    return nullptr;
+        return kvflash::Model::load(path, n_threads, "cpu", eps, std::vector<float>(tensor_split, tensor_split + n_split));
+    }, err, err_len);
 }
 
 void kvflash_model_free(kvflash_model *model) { delete model; }
