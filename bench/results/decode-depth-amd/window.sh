@@ -1,5 +1,13 @@
 #!/bin/bash
-# issue 21 timing window on the AMD host: run alone (nothing else heavy on the machine)
+# issue 21 timing window on the AMD host: run alone (nothing else heavy on the machine).
+# Prerequisites of the perf step (made before the window, not timed):
+#   cmake -S . -B /tmp/profbuild -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS=-g -DCMAKE_CXX_FLAGS=-g \
+#         -DKVFLASH_PYTHON=OFF -DKVFLASH_TESTS=OFF && cmake --build /tmp/profbuild --target kvflash   # not stripped
+#   gcc -O2 -Icsrc/kvflash examples/c/generate.c -L/tmp/profbuild -lkvflash -Wl,-rpath,/tmp/profbuild \
+#       -o /tmp/rr/kvflash_generate
+#   python -c "import kvflash; from kvflash.bench.common import text_tokens; \
+#     s = kvflash.Session('smollm2-135m', max_ctx=4096, kvflash=2048, verbose=False); \
+#     print(' '.join(map(str, text_tokens(s, 2000))))" > /tmp/rr/ids2000.txt
 cd /work/main; . /work/venv/bin/activate
 M=$HOME/.cache/kvflash/models/SmolLM2-135M-Instruct.Q4_1.gguf
 LB=/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench
