@@ -114,6 +114,39 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     assert r.status_code == 200
 
 
+def test_the_name_it_was_started_with_is_a_model_id(server, model):
+    """The path (or registry name) given to `kvflash serve` is accepted as the request's model, beside the file's
+    stem; any other id is a 404 that lists the names that work."""
+    for name in (model, "small", "small.gguf"):
+        r = httpx.post(server.base + "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 200, (name, r.text)
+    r = httpx.post(server.base + "/v1/completions", json={"model": "gpt-4o", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404
+    msg = r.json()["error"]["message"]
+    assert "'gpt-4o' does not exist" in msg and "'small'" in msg and repr(model) in msg
+
+
+@pytest.mark.model
+def test_serve_by_registry_name_answers_to_that_name():
+    """`kvflash serve smollm2-135m`: the openai client asking for model="smollm2-135m" is served, and
+    /v1/models lists that name."""
+    import kvflash
+    kvflash.resolve_model("smollm2-135m")   # fetched before the server's start-up clock runs
+    srv = ServerProcess("smollm2-135m", ["--max-ctx", "1024", "--kvflash", "512", "--kvflash-policy", "lru",
+                                         "-t", "2"], timeout=300)
+    try:
+        c = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["smollm2-135m"]
+        r = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                      max_tokens=4, temperature=0)
+        assert r.choices[0].message.content is not None
+        r = c.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi", max_tokens=2)   # the stem too
+        assert r.choices[0].text is not None
+    finally:
+        srv.stop()
+
+
 def test_ignore_eos_reaches_generate():
     """llama.cpp's ignore_eos extension: a boolean, handed to Session.generate (the bench's fixed-length
     streams rely on it); off by default."""

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -189,8 +189,13 @@ def _work(slot: Slot, ids: list, sp: dict, put, cancel: threading.Event) -> None
 # ---------------------------------------------------------------- the app
 
 def create_app(sessions, *, model_name: str, api_key: Optional[str] = None,
-               slot_save_path: Optional[os.PathLike] = None, default_max_tokens: int = 256):
-    """The FastAPI app over these sessions (one slot each; they may share one Model)."""
+               slot_save_path: Optional[os.PathLike] = None, default_max_tokens: int = 256,
+               aliases: Sequence[str] = ()):
+    """The FastAPI app over these sessions (one slot each; they may share one Model).
+
+    ``model_name`` is the id /v1/models lists; a request's ``model`` may also be any of ``aliases`` (the name
+    or path the server was started with), the file's path, name or stem.  Any other id is refused (404) with
+    the list of names that work: one model is served, and a client that asks for another should hear so."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -203,7 +208,8 @@ def create_app(sessions, *, model_name: str, api_key: Optional[str] = None,
     first = slots.slots[0].session
     save_dir = Path(slot_save_path).resolve() if slot_save_path is not None else None
     app = FastAPI(title="kvflash", docs_url=None, redoc_url=None, openapi_url=None)
-    names = {model_name, str(first.model_path), first.model_path.name, first.model_path.stem}
+    names = [model_name, *aliases, str(first.model_path), first.model_path.name, first.model_path.stem]
+    names = list(dict.fromkeys(n for n in names if n))   # in that order, once each
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -236,8 +242,8 @@ def create_app(sessions, *, model_name: str, api_key: Optional[str] = None,
             raise ApiError(400, "the request body must be a JSON object")
         m = body.get("model")
         if m is not None and m not in names:
-            raise ApiError(404, f"the model {m!r} does not exist: this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+            raise ApiError(404, f"the model {m!r} does not exist: this server serves one model, "
+                                f"named {', '.join(map(repr, names))}", code="model_not_found", param="model")
         return body
 
     def _slot_id(body) -> Optional[int]:
@@ -523,8 +529,11 @@ def serve(args) -> int:
                         allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),
                         exact_prefill=getattr(args, "kvflash_exact_prefill", False),
                         verbose=i == 0) for i in range(args.parallel)]
-    app = create_app(sessions, model_name=args.alias or path.stem, api_key=args.api_key,
-                     slot_save_path=args.slot_save_path)
+    # the id it lists: --alias, else the registry name it was started with, else the file's stem; the name or
+    # path it was started with is always accepted
+    is_name = os.sep not in args.model and not args.model.endswith(".gguf")
+    app = create_app(sessions, model_name=args.alias or (args.model if is_name else path.stem), api_key=args.api_key,
+                     slot_save_path=args.slot_save_path, aliases=[args.model])
     print(f"[kvflash] serving {path.name} on http://{args.host}:{args.port} ({args.parallel} slot"
           f"{'s' if args.parallel > 1 else ''}, OpenAI-compatible /v1)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
