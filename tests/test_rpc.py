@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -212,8 +213,10 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     embedding and head here) give the single process's logits bit for bit with ggml's attention, through
     page-outs of remote pool slices, a qk rescore that recalls chunks into other blocks, and a truncate."""
     path, L = _tiny(tmp_path, arch, n_layer=4)
-    local = core.Model(path, n_threads=1)
-    remote = core.Model(path, n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 1])
+    # like with like: a server holds its layers mapped (plain kernels), so every weight here is mapped too
+    # (repacked interleaves or AMX copies would round differently on CPUs that have them)
+    local = core.Model(path, n_threads=1, repack=False)
+    remote = core.Model(path, n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 1], repack=False)
     assert [(r["endpoint"], r["first"], r["last"]) for r in remote.remote_layers] == \
         [(two_servers[0], 0, round(L / 3)), (two_servers[1], round(L / 3), round(2 * L / 3))]
     assert any(p.startswith("RPC " + two_servers[0]) for p in remote.weight_placement)
@@ -241,6 +244,41 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(x, y)
     del remote
+
+
+def _layers_of(line: str) -> set:
+    """The layer numbers a weight_placement line covers ('..., layers 0-1, 3, token_embd: 2 MiB')."""
+    m = re.search(r"layers ((?:\d+(?:-\d+)?(?:, )?)+)", line)
+    out = set()
+    for r in (m.group(1).rstrip(", ").split(", ") if m else []):
+        lo, _, hi = r.partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0", "f32"])
+def test_weight_placement_names_the_kernels_of_every_tensor(tmp_path, two_servers, wtype):
+    """Every layer's weights are in a weight_placement line that names the kernels they run: with repack=False
+    (or KVFLASH_NO_REPACK=1) ggml-cpu's plain kernels for all; an RPC split names its servers' ranges."""
+    path = tmp_path / f"{wtype}.gguf"
+    write_tiny_model(path, "llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256,
+                     weight_type=wtype)
+    plain = core.Model(str(path), n_threads=1, repack=False).weight_placement
+    assert len(plain) == 1 and plain[0].startswith("CPU mapped (ggml-cpu's plain kernels), layers 0-3, token_embd")
+    default = core.Model(str(path), n_threads=1).weight_placement   # repacked or AMX where this CPU offers it
+    covered = set()
+    for line in default:
+        assert re.search(r"\((.*kernels.*|AMX tiles.*)\)", line), line
+        if "one-token copies" not in line:
+            covered |= _layers_of(line)
+    assert covered == {0, 1, 2, 3}, default
+    split = core.Model(str(path), n_threads=1, rpc=list(two_servers), tensor_split=[1, 1, 2], repack=False)
+    lines = split.weight_placement
+    assert lines[0].startswith("CPU mapped (ggml-cpu's plain kernels), layers 2-3, token_embd"), lines
+    for ep, layer, line in zip(two_servers, (0, 1), lines[1:]):
+        assert line.startswith(f"RPC {ep}, layers {layer}-{layer} (mapped there: the server's plain CPU kernels)")
+    assert len(lines) == 3
+    del split
 
 
 def test_remote_layers_refuse_what_a_server_cannot_run(tmp_path, two_servers):
@@ -283,9 +321,14 @@ def test_smollm2_split_15_15_over_two_servers_greedy_identical():
     prompt = np.array(tok.encode(text), dtype=np.int32)
     assert len(prompt) > 900
     a, b = _start_server(2), _start_server(2)
-    remote = core.Model(str(path), n_threads=2, rpc=[a[1], b[1]])
+    # Like with like: the servers multiply by their layers' weights as mapped (ggml-cpu's plain kernels), so the
+    # one-process reference keeps every weight mapped too.  On a CPU with AMX (or one whose repack takes Q4_1),
+    # the default load would multiply one-token graphs by converted copies that round differently.
+    remote = core.Model(str(path), n_threads=2, rpc=[a[1], b[1]], repack=False)
     assert [(r["first"], r["last"]) for r in remote.remote_layers] == [(0, 15), (15, 30)]
-    local = core.Model(str(path), n_threads=2)
+    local = core.Model(str(path), n_threads=2, repack=False)
+    for m in (local, remote):
+        assert all("plain" in line for line in m.weight_placement), m.weight_placement
     out = []
     for m in (local, remote):
         rt = core.Runtime(m, max_ctx=2048, pool_tokens=512, attn="ggml")

@@ -79,9 +79,12 @@ public:
     // rpc / tensor_split: layer ranges on ggml RPC servers (split_layers; the CPU device only): each
     // range's weights are uploaded to its server's buffer, and graphs run there through
     // ggml_backend_sched (the runtime).  std::runtime_error when a server does not answer or has no room.
+    // repack = false: every weight stays mapped and runs ggml-cpu's plain kernels (no repacked
+    // interleaves, no AMX copies), as KVFLASH_NO_REPACK=1 asks for every model and as an RPC server
+    // holds its layers: the arithmetic to compare an RPC split against.
     static std::shared_ptr<Model> load(const std::string &path, int32_t n_threads = 0,
                                        const std::string &device = "cpu", const std::vector<std::string> &rpc = {},
-                                       const std::vector<float> &tensor_split = {});
+                                       const std::vector<float> &tensor_split = {}, bool repack = true);
     ~Model();
     Model(const Model &) = delete;
     Model &operator=(const Model &) = delete;
@@ -91,7 +94,9 @@ public:
     const ArchOps &arch() const { return *arch_; }
     const std::string &path() const { return path_; }
     size_t weight_bytes() const { return weight_bytes_; }
-    // Where the matrix weights went beside the mapping ("CPU_REPACK: 60.2 MiB", ...); empty: all mapped.
+    // Where the weights went and which of ggml's kernels multiply by them, one line per place
+    // ("CPU mapped (ggml-cpu's plain kernels), layers 0-29, token_embd: 40 MiB", "CPU_REPACK (...), layers
+    // 0-29: 60 MiB", "RPC h:p, layers 0-14 (...)", "AMX one-token copies (...)").
     const std::vector<std::string> &weight_placement() const { return repacked_; }
     ggml_backend_t backend() const { return backend_; }
     const Device &device() const { return device_; }
@@ -155,7 +160,8 @@ private:
     std::vector<LayerWeights> decode_layers_;
     ggml_tensor *decode_output_ = nullptr;
     void place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &where);
-    std::vector<std::string> repacked_;               // "buffer type: MiB", for weight_placement()
+    std::vector<std::string> repacked_;               // weight_placement()'s lines
+    bool repack_ = true;                              // extra CPU buffer types allowed (load's repack)
     void *map_ = nullptr;             // the file mapping (CPU backend only; unmapped after a CUDA upload)
     size_t map_bytes_ = 0, weight_bytes_ = 0;
     int32_t n_threads_ = 1;

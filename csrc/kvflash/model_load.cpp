@@ -122,6 +122,41 @@ void check_positive(const std::string &file, const char *what, int64_t v, int64_
 
 [[maybe_unused]] std::string mib(size_t bytes) { return std::to_string((bytes + (1u << 19)) >> 20) + " MiB"; }
 
+// Which tensors a weight_placement line covers: "layers 0-14, 20-29, output" (blk.N.* as layer ranges,
+// the others by name without ".weight").
+[[maybe_unused]] std::string tensors_span(const std::vector<std::string> &names) {
+    std::vector<int> layers;
+    std::vector<std::string> other;
+    for (const std::string &n : names) {
+        int il = -1;
+        if (std::sscanf(n.c_str(), "blk.%d.", &il) == 1 && il >= 0) {
+            layers.push_back(il);
+            continue;
+        }
+        std::string base = n.substr(0, n.rfind(".weight") == n.size() - 7 && n.size() > 7 ? n.size() - 7 : n.size());
+        if (std::find(other.begin(), other.end(), base) == other.end()) other.push_back(base);
+    }
+    std::sort(layers.begin(), layers.end());
+    layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+    std::string out;
+    for (size_t i = 0; i < layers.size();) {
+        size_t j = i;
+        while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+        out += (out.empty() ? "layers " : ", ") + std::to_string(layers[i]) +
+               (j > i ? "-" + std::to_string(layers[j]) : std::string());
+        i = j + 1;
+    }
+    for (const std::string &o : other) out += (out.empty() ? "" : ", ") + o;
+    return out.empty() ? "no tensors" : out;
+}
+
+// The matrix kernels ggml-cpu runs for weights in a buffer type, as weight_placement names them.
+[[maybe_unused]] std::string kernels_of(const char *buft) {
+    if (std::strcmp(buft, "CPU_REPACK") == 0) return "repacked interleaves: ggml-cpu's repack kernels";
+    if (std::strcmp(buft, "AMX") == 0) return "AMX tiles";
+    return std::string(buft) + " kernels";
+}
+
 // A positive count, checked as read (64 bits) before it is narrowed to 32.
 int32_t positive_key(const GGUFKeys &kv, const char *suffix, int64_t limit, int64_t def = 0, bool required = true) {
     const int64_t v = kv.a(suffix, def, required);
@@ -276,7 +311,8 @@ std::vector<RemoteLayers> split_layers(int32_t n_layer, const std::vector<std::s
 }
 
 std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, const std::string &device,
-                                   const std::vector<std::string> &rpc, const std::vector<float> &tensor_split) {
+                                   const std::vector<std::string> &rpc, const std::vector<float> &tensor_split,
+                                   bool repack) {
     // The device first: a bad device string fails before any file work.
     const Device dev = parse_device(device);
     check_device_visible(dev, device);
@@ -286,6 +322,7 @@ std::shared_ptr<Model> Model::load(const std::string &path, int32_t n_threads, c
     std::shared_ptr<Model> m(new Model());
     m->path_ = path;
     m->device_ = dev;
+    m->repack_ = repack;
     m->read_header(path);
     m->remote_ = split_layers(m->hp_.n_layer, rpc, tensor_split);   // before the tensors: a bad split fails fast
     m->read_tensors();
@@ -383,11 +420,11 @@ void Model::read_tensors() {
     }
 }
 
-// The CPU device's extra buffer types (a null-terminated list), or nullptr when there are none or
-// KVFLASH_NO_REPACK asks for every weight to stay mapped.
-static ggml_backend_buffer_type_t *cpu_extra_bufts(ggml_backend_dev_t dev) {
+// The CPU device's extra buffer types (a null-terminated list), or nullptr when there are none, the
+// model was loaded with repack = false, or KVFLASH_NO_REPACK asks for every weight to stay mapped.
+static ggml_backend_buffer_type_t *cpu_extra_bufts(ggml_backend_dev_t dev, bool repack) {
     const char *off = std::getenv("KVFLASH_NO_REPACK");
-    if ((off && *off && std::strcmp(off, "0") != 0) || !dev) return nullptr;
+    if (!repack || (off && *off && std::strcmp(off, "0") != 0) || !dev) return nullptr;
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     auto get = reg ? reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
                          ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"))
@@ -490,7 +527,11 @@ void Model::place_weights(int32_t threads) {
             if (a1 > a0) ::madvise(reinterpret_cast<void *>(a0), a1 - a0, MADV_DONTNEED);
         }
         weight_bytes_ += need;
-        repacked_.push_back(std::string(ggml_backend_buft_name(buft)) + ": " + mib(need));
+        std::vector<std::string> names;
+        for (int64_t i = 0; i < n_tensors; ++i)
+            if (where[size_t(i)] == buft) names.push_back(gguf_get_tensor_name(gguf_, i));
+        repacked_.push_back(std::string(ggml_backend_buft_name(buft)) + " (" + kernels_of(ggml_backend_buft_name(buft)) +
+                            "), " + tensors_span(names) + ": " + mib(need));
     }
     // Remote layers: one buffer per server, the weights uploaded from the mapping (ggml's client sends a
     // large tensor by hash first where the server keeps a cache).
@@ -526,14 +567,21 @@ void Model::place_weights(int32_t threads) {
         remote_bufts_.push_back(buft);
         remote_bytes_.push_back(need);
         repacked_.push_back("RPC " + R.endpoint + ", layers " + std::to_string(R.first) + "-" + std::to_string(R.last - 1) +
-                            ": " + mib(need));
+                            " (mapped there: the server's plain CPU kernels): " + mib(need));
     }
+    std::vector<std::string> mapped;
+    size_t mapped_bytes = 0;
     for (int64_t i = 0; i < n_tensors; ++i) {
         if (where[size_t(i)] || remote_of[size_t(i)] >= 0) continue;
         if (ggml_backend_tensor_alloc(buf_, nth(i), file_bytes(i)) != GGML_STATUS_SUCCESS)
             throw std::runtime_error(path_ + ": cannot place tensor " + ggml_get_name(nth(i)));
         weight_bytes_ += ggml_nbytes(nth(i));
+        mapped_bytes += ggml_nbytes(nth(i));
+        mapped.push_back(gguf_get_tensor_name(gguf_, i));
     }
+    if (!mapped.empty())
+        repacked_.insert(repacked_.begin(), "CPU mapped (ggml-cpu's plain kernels), " + tensors_span(mapped) + ": " +
+                                                mib(mapped_bytes));
     ::madvise(map_, map_bytes_, MADV_WILLNEED);
     place_decode_copies(where);
 }
@@ -541,7 +589,7 @@ void Model::place_weights(int32_t threads) {
 void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &where) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
     ggml_backend_buffer_type_t amx = nullptr;
-    for (ggml_backend_buffer_type_t *b = cpu_extra_bufts(dev); b && *b; ++b)
+    for (ggml_backend_buffer_type_t *b = cpu_extra_bufts(dev, repack_); b && *b; ++b)
         if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) amx = *b;
     if (!amx) return;
     // the mapped matrix weights AMX takes for a one-row product (a tied head included: its copy is
@@ -596,14 +644,17 @@ void Model::place_decode_copies(const std::vector<ggml_backend_buffer_type_t> &w
     decode_output_ = copy_of(output) == output ? nullptr : copy_of(output);
     const size_t bytes = ggml_backend_buffer_get_size(b);
     weight_bytes_ += bytes;
-    repacked_.push_back(std::string("AMX, one-token copies: ") + mib(bytes));
+    std::vector<std::string> names;
+    for (auto &wc : copies) names.push_back(ggml_get_name(wc.first));
+    repacked_.push_back("AMX one-token copies (AMX tiles for one-token graphs; batches use the weights above), " +
+                        tensors_span(names) + ": " + mib(bytes));
 }
 
 std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     std::vector<ggml_backend_buffer_type_t> where(size_t(n_tensors), nullptr);
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
-    ggml_backend_buffer_type_t *extra = cpu_extra_bufts(dev);
+    ggml_backend_buffer_type_t *extra = cpu_extra_bufts(dev, repack_);
     if (!extra || !*extra) return where;
     // the tensors that only feed matrix products (a tied head also feeds get_rows: it stays)
     std::vector<const ggml_tensor *> mm;
