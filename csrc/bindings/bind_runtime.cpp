@@ -11,7 +11,7 @@ void bind_model(py::module_ &m) {
     py::class_<Model, std::shared_ptr<Model>>(m, "Model", R"doc(
 GGUF weights and hyper-parameters (immutable, shareable).
 
-Model(path, n_threads=0, device="cpu", rpc=[], tensor_split=[]): device "cpu", "cuda"
+Model(path, n_threads=0, device="cpu", rpc=[], tensor_split=[], repack=True): device "cpu", "cuda"
 (= "cuda:0") or "cuda:N".  On CUDA the weights are uploaded to the device and every
 Runtime over the model computes there (pool, sliding-window ring and graphs in device
 memory, paged chunks in a pinned host slab).  ValueError for an unknown device, for CUDA
@@ -23,15 +23,20 @@ more: this process's share, the last layers; empty: equal shares, no layer local
 Their weights are uploaded there, and every Runtime over the model keeps those layers'
 pool slices there and runs them there (ggml_backend_sched).  The embedding and the
 output head stay here.  RuntimeError when a server does not answer or has no room.
+
+repack=False keeps every weight mapped from the file and multiplied by ggml-cpu's plain
+kernels (no repacked interleaves, no AMX copies), as KVFLASH_NO_REPACK=1 does for every
+model and as an RPC server holds its layers: weight_placement says what each part runs.
 )doc")
         .def(py::init([](py::object path, int32_t n_threads, const std::string &device, std::vector<std::string> rpc,
-                         std::vector<float> tensor_split) {
+                         std::vector<float> tensor_split, bool repack) {
                  if (n_threads < 0) throw std::invalid_argument("n_threads must be >= 0 (0: all cores)");
                  std::string p = py::str(path).cast<std::string>();
                  py::gil_scoped_release nogil;
-                 return Model::load(p, n_threads, device, rpc, tensor_split);
+                 return Model::load(p, n_threads, device, rpc, tensor_split, repack);
              }), py::arg("path"), py::arg("n_threads") = 0, py::arg("device") = "cpu",
-             py::arg("rpc") = std::vector<std::string>{}, py::arg("tensor_split") = std::vector<float>{})
+             py::arg("rpc") = std::vector<std::string>{}, py::arg("tensor_split") = std::vector<float>{},
+             py::arg("repack") = true)
         .def_property_readonly("remote_layers", [](const Model &m) {
             py::list out;
             for (size_t r = 0; r < m.remote_layers().size(); ++r) {
@@ -51,8 +56,10 @@ output head stay here.  RuntimeError when a server does not answer or has no roo
              "left after the weights and everything else allocated; on the CPU ggml reports free == total).")
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
         .def_property_readonly("weight_placement", &Model::weight_placement,
-                               "the CPU extra buffer types holding converted matrix weights, 'name: MiB' each "
-                               "(empty: every weight is mapped from the file; KVFLASH_NO_REPACK=1 asks for that)")
+                               "where the weights went and which of ggml's kernels multiply by them, one line per "
+                               "place: 'CPU mapped (ggml-cpu's plain kernels), layers 0-29, ...: N MiB', CPU_REPACK or "
+                               "AMX (converted copies), RPC servers' ranges (repack=False or KVFLASH_NO_REPACK=1: "
+                               "every weight mapped)")
         .def_property("n_threads", &Model::n_threads, [](Model &m, int32_t n) {
             if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
             m.set_n_threads(n);
@@ -141,8 +148,11 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
             ref.busy = &r->busy;
             return ref;
         })
-        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits, bool exact, bool one_row_products) {
+        .def("eval", [](PyRuntime &r, py::array tokens, bool all_logits, bool exact, bool one_row_products,
+                        py::object progress) {
                  InUse use(&r.busy);
+                 if (!progress.is_none() && !PyCallable_Check(progress.ptr()))
+                     throw std::invalid_argument("eval: progress must be a callable (done, total, page_outs) or None");
                  const std::vector<int32_t> t = token_copy(tokens);
                  if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval: too many tokens in one call");
                  const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
@@ -154,14 +164,22 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                      EvalOptions opt;
                      opt.exact = exact;
                      opt.one_row_products = one_row_products;
+                     if (!progress.is_none())
+                         opt.progress = [&r, &progress](int32_t done, int32_t total) {
+                             const int64_t outs = r.rt->pager().stats().page_outs;
+                             py::gil_scoped_acquire gil;
+                             progress(done, total, outs);   // what it raises ends the eval (all or nothing)
+                         };
                      r.rt->eval(t.data(), n, all_logits, o, opt);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
                  return out;
              }, py::arg("tokens"), py::arg("all_logits") = false, py::arg("exact") = false,
-             py::arg("one_row_products") = false,
-             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].  exact=True: "
+             py::arg("one_row_products") = false, py::arg("progress") = py::none(),
+             "Append tokens at n_past; returns float32 logits [n_vocab] (last) or [n, n_vocab].  progress: called "
+             "with (tokens done, tokens in the call, the pager's page-outs so far) after each piece, the GIL held; "
+             "what it raises ends the eval with nothing of it kept.  exact=True: "
              "attention over every position, resident rows from the pool and paged-out rows from the host store, "
              "as the full cache computes it (CPU backend only).  one_row_products=True: every token's matrix "
              "products as a one-token eval computes them, bit for bit (CPU backend only; a verification pass).")

@@ -341,6 +341,7 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;
         eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr, opt);
         done += m;
+        if (opt.progress) opt.progress(done, n);
         if (!last && interrupt_ && interrupt_()) throw EvalInterrupted();
     }
     } catch (...) {

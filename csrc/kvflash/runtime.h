@@ -71,6 +71,9 @@ struct EvalOptions {
     // logits and K/V rows of each token are what a one-token eval computes, bit for bit, whatever the
     // batch (ggml's batched kernels round differently).  A verification pass; the CPU backend only.
     bool one_row_products = false;
+    // Called after each piece with (tokens done, tokens in the call); what it throws ends the eval as a
+    // failure does (all or nothing).  The bindings' prefill progress.
+    std::function<void(int32_t done, int32_t total)> progress;
 };
 
 // Thrown by Runtime::eval when its interrupt hook asked it to stop between pieces.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 
 def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -29,6 +30,9 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
                    "authentication: trusted networks only)")
     p.add_argument("--tensor-split", default=None, help="layer shares for --rpc, comma-separated: one per server, "
                    "optionally one more for this process (the last layers); default: equal, none local")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="prefill progress on stderr (tokens, tok/s, ETA, page-outs); default: when stderr is a terminal")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no prefill progress")
 
 
 def _pool_arg(value: str):
@@ -49,6 +53,50 @@ def _make_session(a):
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
                    exact_prefill=a.kvflash_exact_prefill, rpc=a.rpc, tensor_split=a.tensor_split)
+
+
+def _read_text(path: str) -> str:
+    """A prompt file's text (``-`` reads stdin); a missing or unreadable file is a one-line error."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+
+
+class PrefillPrinter:
+    """Prefill progress on stderr: one line rewritten in place on a terminal, a line every few seconds in a
+    log; silent for prompts that take under ``quiet_under_s`` (half a second; 0 when --progress asked for it).
+    Called with a ``PrefillProgress``."""
+
+    def __init__(self, stream=None, every_s: Optional[float] = None, quiet_under_s: float = 0.5):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every_s = every_s if every_s is not None else (0.25 if self.tty else 5.0)
+        self.quiet_under_s = quiet_under_s
+        self._last = None   # elapsed_s of the last line shown
+
+    def __call__(self, p) -> None:
+        early = p.elapsed_s < self.quiet_under_s
+        if not p.finished and (early or (self._last is not None and p.elapsed_s - self._last < self.every_s)):
+            return
+        if p.finished and self._last is None and early:
+            return
+        self._last = p.elapsed_s
+        line = "[kvflash] " + p.line()
+        self.stream.write(("\r" + line + "\x1b[K" + ("\n" if p.finished else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def _progress_for(a):
+    """The prefill progress hook the flags ask for: --progress / --no-progress, else on when stderr is a TTY."""
+    if a.progress is None:
+        return PrefillPrinter() if sys.stderr.isatty() else None
+    return PrefillPrinter(quiet_under_s=0.0) if a.progress else None
 
 
 def _say_why_it_stopped(s) -> None:
@@ -85,7 +133,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="continue a prompt")
     _session_args(g)
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt (or -f FILE)")
+    g.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': stdin)")
     g.add_argument("-n", "--max-tokens", type=int, default=256)
     g.add_argument("--temp", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -95,6 +144,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("chat", help="interactive chat on stdin")
     _session_args(c)
     c.add_argument("-n", "--max-tokens", type=int, default=512)
+    c.add_argument("--file", default=None, help="a document to chat about: read into the context before the first "
+                   "question, which is asked about it ('-': stdin; the questions then need a terminal)")
     sub.add_parser("models", help="list the models kvflash can fetch by name")
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     sv.add_argument("model", help="model name (see `kvflash models`) or GGUF path")
@@ -126,10 +177,18 @@ def main(argv=None) -> int:
         if a.cmd == "rpc-server":
             from .rpc import serve as rpc_serve
             return rpc_serve(a)
-        s = _make_session(a)
         if a.cmd == "generate":
-            kw = dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p)
-            it = s.chat([{"role": "user", "content": a.prompt}], **kw) if a.chat else s.generate(a.prompt, **kw)
+            if (a.prompt is None) == (a.file is None):
+                raise ValueError("generate takes a prompt or -f FILE (one of them)")
+            prompt = a.prompt if a.file is None else _read_text(a.file)
+            if not prompt:
+                raise ValueError(f"{a.file}: the prompt is empty")
+        doc = _read_text(a.file) if a.cmd == "chat" and a.file is not None else None
+        s = _make_session(a)
+        progress = _progress_for(a)
+        if a.cmd == "generate":
+            kw = dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, progress=progress)
+            it = s.chat([{"role": "user", "content": prompt}], **kw) if a.chat else s.generate(prompt, **kw)
             for piece in it:
                 print(piece, end="", flush=True)
             print()
@@ -140,6 +199,18 @@ def main(argv=None) -> int:
             return 0
         if a.cmd == "chat":
             messages = []
+            if doc is not None:
+                # read the document now, while the first question is typed; that question's turn reuses it
+                for _ in s.chat([{"role": "user", "content": doc}], add_generation_prompt=False, max_tokens=0,
+                                progress=progress):
+                    pass
+                print(f"[kvflash] {a.file}: {s.n_past} tokens in context; ask about it", file=sys.stderr)
+                if a.file == "-":   # the document came on stdin: the questions come from the terminal
+                    try:
+                        sys.stdin = open("/dev/tty")
+                    except OSError:
+                        raise ValueError("chat --file - read the document from stdin; the questions need a "
+                                         "terminal (or give the document as a file)") from None
             while True:
                 try:
                     line = input("> ")
@@ -147,9 +218,11 @@ def main(argv=None) -> int:
                     return 0
                 if not line.strip():
                     continue
+                if doc is not None and not messages:
+                    line = doc + "\n\n" + line
                 messages.append({"role": "user", "content": line})
                 reply = ""
-                for piece in s.chat(messages, max_tokens=a.max_tokens):
+                for piece in s.chat(messages, max_tokens=a.max_tokens, progress=progress):
                     reply += piece
                     print(piece, end="", flush=True)
                 print()

@@ -11,7 +11,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -24,6 +24,33 @@ from .tokenizer import StreamDecoder, Tokenizer
 
 AUTO_CAP_TOKENS = 16384
 DRAFTER_DIRS = ("drafter", "draft")
+
+
+class PrefillProgress(NamedTuple):
+    """Where a prefill stands (``Session.prefill(progress=...)``): tokens done of total, seconds since it
+    started, chunks paged out to the host store so far, and whether this is the final report."""
+    done: int
+    total: int
+    elapsed_s: float
+    page_outs: int
+    finished: bool
+
+    @property
+    def tok_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> Optional[float]:
+        """Seconds left at the rate so far (None before any token is done)."""
+        return (self.total - self.done) / self.tok_s if self.done and self.tok_s > 0 else None
+
+    def line(self) -> str:
+        """One line for a terminal: 'prefill 2048/8192 tokens (25%), 812 tok/s, ETA 8 s, 12 page-outs'."""
+        pct = 100 * self.done // max(self.total, 1)
+        eta = "" if self.finished or self.eta_s is None else f", ETA {self.eta_s:.0f} s"
+        took = f" in {self.elapsed_s:.1f} s" if self.finished else ""
+        return (f"prefill {self.done}/{self.total} tokens ({pct}%){took}, {self.tok_s:.0f} tok/s{eta}, "
+                f"{self.page_outs} page-outs")
 
 
 def kv_bytes_per_token(hp: dict, kv_type: str, n_paged_layers: int) -> float:
@@ -526,8 +553,14 @@ class Session:
             raise ValueError(f"token ids {bad[:5]} outside [0, {self.hparams['n_vocab']})")
         return ids
 
-    def prefill(self, text_or_ids: Union[str, Sequence[int]]) -> int:
+    def prefill(self, text_or_ids: Union[str, Sequence[int]], *,
+                progress: Optional[Callable[["PrefillProgress"], None]] = None) -> int:
         """Append a prompt to the context; returns the number of tokens added.
+
+        ``progress``: called with a :class:`PrefillProgress` (tokens done of total, tok/s, ETA,
+        page-outs) after each piece the core evaluates -- whole ubatches while the prompt fits the
+        pool, 64-token pieces once it pages -- and once more when the prompt is in.  What it raises
+        ends the prefill as a failure does (nothing of the prompt is kept).
 
         All or nothing: when anything fails on the way (the eval, the policy's rescore,
         the re-read of the prompt's tail) or Ctrl-C interrupts it, the context is put
@@ -535,6 +568,8 @@ class Session:
         duplicate the prompt.  (When the context cannot be rewound -- gemma3's
         sliding-window ring no longer holds that far back -- the session is reset.)
         """
+        if progress is not None and not callable(progress):
+            raise TypeError("progress must be a callable taking a PrefillProgress, or None")
         with self._using("prefill"):
             ids = self._as_ids(text_or_ids, first=not self._tokens)
             if not ids:
@@ -546,7 +581,7 @@ class Session:
             # the policy's capture window: the prompt's eval replaces it, a rewind puts it back
             queries0 = self.runtime.captured_queries() if self._scored() else None
             try:
-                return self._prefill(ids)
+                return self._prefill(ids, progress)
             except BaseException:
                 self._rewind(n0, logits0, since0, queries0)
                 raise
@@ -573,12 +608,22 @@ class Session:
         if callable(rewind):
             rewind(len(self._tokens))
 
-    def _prefill(self, ids: list[int]) -> int:
+    def _prefill(self, ids: list[int], progress=None) -> int:
         t0 = time.perf_counter()
-        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact_prefill)
+        hook = None
+        if progress is not None:
+            outs0 = self.pager.stats["page_outs"]
+
+            def hook(done, total, page_outs):
+                progress(PrefillProgress(done, total, time.perf_counter() - t0, page_outs - outs0, False))
+        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact_prefill,
+                                              progress=hook)
         self._prefill_s += time.perf_counter() - t0
         self._tokens.extend(ids)
         self._settle_prompt(ids)
+        if progress is not None:
+            progress(PrefillProgress(len(ids), len(ids), time.perf_counter() - t0,
+                                     self.pager.stats["page_outs"] - outs0, True))
         return len(ids)
 
     def _settle_prompt(self, ids: list[int]) -> None:
@@ -647,7 +692,7 @@ class Session:
     def generate(self, prompt: Union[str, Sequence[int], None] = None, *, max_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  stop: Union[str, Sequence[str], None] = None, ignore_eos: bool = False,
-                 seed: Optional[int] = None) -> Iterator[str]:
+                 seed: Optional[int] = None, progress: Optional[Callable] = None) -> Iterator[str]:
         """Stream text pieces, continuing from whatever is already in the session.
 
         One iterator at a time: while one is open (neither exhausted nor closed), another
@@ -670,7 +715,7 @@ class Session:
             raise ValueError("stop must be a non-empty string or a list of them")
         with self._using("generate"):
             if prompt is not None:
-                self.prefill(prompt)
+                self.prefill(prompt, progress=progress)
             if self._last_logits is None:
                 raise ValueError("nothing to continue from: pass a prompt or prefill() first")
             gen = self._generate(max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed)
@@ -814,11 +859,13 @@ class Session:
             if self._open_gen is not None and self._open_gen() is me:
                 self._open_gen = None
 
-    def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **kw) -> Iterator[str]:
+    def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+             progress: Optional[Callable] = None, **kw) -> Iterator[str]:
         """Render messages with the model's chat template and stream the reply.
 
         The rendered conversation reuses the longest common prefix already in the
-        cache, so a multi-turn chat only evaluates what is new.
+        cache, so a multi-turn chat only evaluates what is new (``progress``: as prefill's,
+        for that new part).
         """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
@@ -855,7 +902,7 @@ class Session:
                 finally:
                     del self._tokens[self.runtime.n_past:]   # the history follows the cache
                     self._policy_rewind()
-            self.prefill(ids[common:])
+            self.prefill(ids[common:], progress=progress)
             return self.generate(None, **kw)
 
     def truncate(self, n_tokens: int) -> None:
