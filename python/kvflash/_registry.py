@@ -26,6 +26,8 @@ GGML_SDIST = {
     "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
     "ggml_dir": "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml",
     "models_dir": "llama_cpp_python-0.3.36/vendor/llama.cpp/models",
+    # the llama.cpp commit the sdist vendors (ggml's own build would report the enclosing checkout's)
+    "llama_cpp_commit": "0c1e570",
 }
 
 
@@ -179,6 +181,9 @@ def vocab_dir() -> Path:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[1] == "ggml-commit":
+        print(GGML_SDIST["llama_cpp_commit"])
+        return 0
     if len(argv) == 3 and argv[1] == "ggml-sdist":
         # CMake: unpack ggml into the build tree, print its path.
         print(extract_members(ggml_sdist(), GGML_SDIST["ggml_dir"], Path(argv[2])))

@@ -32,4 +32,14 @@ function(kvflash_ggml_source out_var)
   endif()
   message(STATUS "kvflash: ggml from ${_ggml_src}")
   set(${out_var} "${_ggml_src}" PARENT_SCOPE)
+  # Which llama.cpp commit that is, for build_info (ggml's own CMake asks git in its source dir, which
+  # inside our build tree is kvflash's checkout): the pin's, or "local" for a tree of the caller's.
+  if(KVFLASH_GGML_SOURCE)
+    set(KVFLASH_GGML_COMMIT "local:${KVFLASH_GGML_SOURCE}" PARENT_SCOPE)
+  else()
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/python/kvflash/_registry.py" ggml-commit
+      OUTPUT_VARIABLE _ggml_commit OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
+    set(KVFLASH_GGML_COMMIT "${_ggml_commit}" PARENT_SCOPE)
+  endif()
 endfunction()

@@ -161,6 +161,26 @@ class Progress:
         else:
             self._line(text)
 
+    def prefill_note(self, prefix: str = "", every_s: float = 0.5):
+        """A Session.prefill progress hook that shows the prefill (tokens, tok/s, ETA, page-outs) as the
+        bar's note, at most every every_s seconds; in a log (stderr not a terminal), a line every 10 s of
+        a long prefill."""
+        last = [0.0]
+
+        def hook(p):
+            if self.quiet or p.finished:
+                return
+            gap = 10.0 if self._log else every_s
+            if p.elapsed_s - last[0] < gap:
+                return
+            last[0] = p.elapsed_s
+            if self._log:
+                sys.stderr.write(f"{self.desc}: {prefix}{p.line()}\n")
+                sys.stderr.flush()
+            else:
+                self.note(prefix + p.line())
+        return hook
+
     def advance(self, k: int = 1, note: str = "") -> None:
         self.n += k
         if self.quiet:
@@ -237,7 +257,19 @@ def machine_info() -> dict:
                     mem_total = int(line.split()[1]) * 1024
     except OSError:
         pass
+    info = _core.build_info()
+    feats = info.get("cpu_features", {})
     return {
+        "kvflash_commit": info.get("kvflash_commit"),
+        "kvflash_dirty": info.get("kvflash_dirty"),   # the tree it was built from had uncommitted changes
+        # the flags that choose ggml's kernels: -march=native, the instruction sets ggml-cpu was built for,
+        # the extra weight buffers this CPU offers, and whether KVFLASH_NO_REPACK kept every weight mapped
+        # (weight_placement, filled in as models are opened, says what each model's weights ran)
+        "build": {"native": info.get("native"), "build_type": info.get("build_type"),
+                  "compiler": info.get("compiler"),
+                  "cpu_features": sorted(k for k, v in feats.items() if v not in ("0", "", None)),
+                  "cpu_extra_buffer_types": info.get("cpu_extra_buffer_types"), "repack": info.get("repack")},
+        "weight_placement": WEIGHT_PLACEMENT,
         "cpu": cpu_model(),
         "physical_cores": physical_cores(),
         "logical_cpus": os.cpu_count(),
@@ -256,6 +288,10 @@ def machine_info() -> dict:
 
 
 # ----------------------------------------------------------------------------- sessions
+# model file name -> its weight_placement, for every model a routine opened (machine.json records it)
+WEIGHT_PLACEMENT: dict = {}
+
+
 class Unavailable(Exception):
     """A cell that cannot be measured in this build (reported as n/a with the reason)."""
 
@@ -329,6 +365,7 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
             raise Unavailable(msg) from None
         raise
     s.bench_fallback = pool is not None and isinstance(policy, str) and policy != s.policy.name
+    WEIGHT_PLACEMENT[s.model_path.name] = list(s.runtime.model.weight_placement)
     return s
 
 
@@ -375,6 +412,13 @@ def decode_steps(session, n: int) -> tuple[float, float]:
         pass
     dt = time.perf_counter() - t0
     return dt, session.runtime.timings["compute_ms"] - c0
+
+
+def token_hash(ids) -> str:
+    """sha256 of token ids as little-endian int32 (the first 16 hex digits): kept beside an identity a routine
+    claims (exact mode, snapshots), so the claim can be checked again from the result alone."""
+    import hashlib
+    return hashlib.sha256(np.asarray(list(ids), dtype="<i4").tobytes()).hexdigest()[:16]
 
 
 def kv_resident_bytes(session) -> int:

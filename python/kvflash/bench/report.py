@@ -40,9 +40,19 @@ def _cell(v: Any) -> str:
 def to_markdown(results: list, config: dict, machine: dict) -> str:
     out = io.StringIO()
     threads = config.get("threads_used") or config.get("threads")
+    dirty = {True: " (dirty tree)", False: "", None: " (tree state unknown)"}.get(machine.get("kvflash_dirty"), "")
+    out.write(f"<!-- kvflash {str(machine.get('kvflash_commit'))[:12]}{dirty}, {machine.get('time')}, "
+              f"`{' '.join(['python -m kvflash.bench'] + list(config.get('argv') or []))}` -->\n")
     out.write(f"<!-- kvflash bench, preset {config.get('preset')}: {machine.get('cpu')}, "
               f"{machine.get('physical_cores')} cores, backend {machine.get('backend')}, "
               f"ggml {machine.get('ggml_version')} ({machine.get('ggml_commit')}), threads {threads} -->\n")
+    b = machine.get("build") or {}
+    if b:
+        out.write(f"<!-- build: native {b.get('native')}, {b.get('compiler')}, ggml-cpu features "
+                  f"{' '.join(b.get('cpu_features') or [])}; extra weight buffers "
+                  f"{', '.join(b.get('cpu_extra_buffer_types') or []) or 'none'}, repack {b.get('repack')}; weights: " +
+                  ("; ".join(f"{k}: {' | '.join(v)}" for k, v in (machine.get("weight_placement") or {}).items())
+                   or "-") + " -->\n")
     for r in results:
         out.write(f"\n### {r.title}\n\n")
         heads = [h for _, h in r.columns]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..common import BenchConfig, Progress, ctx_label, open_session, text_tokens
+from ..common import BenchConfig, Progress, ctx_label, open_session, text_tokens, token_hash
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note, _spread, _verdict
 
@@ -105,7 +105,8 @@ def run_exact(cfg: BenchConfig) -> Result:
                 if m != "full":
                     row["speed_ratio"] = f"{statistics.median(ratios[m]):.2f}x ({_spread(ratios[m])})"
                 res.rows.append(row)
-            res.raw += [{k2: v for k2, v in r.items() if k2 != "tokens"} | {"n_tokens": len(r["tokens"])} for r in raw]
+            res.raw += [{k2: v for k2, v in r.items() if k2 != "tokens"} |
+                        {"n_tokens": len(r["tokens"]), "tokens_sha256": token_hash(r["tokens"])} for r in raw]
             res.notes.append(f"{ctx_label(D)}: exact/full " + _verdict(ratios["exact"], ratios["control"]))
             if firsts:
                 res.notes.append(f"{ctx_label(D)}: exact tokens differ from the full cache's: " + "; ".join(firsts))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import MIB, BenchConfig, Progress, ctx_label, open_session, summarize, text_tokens
+from ..common import MIB, BenchConfig, Progress, ctx_label, open_session, summarize, text_tokens, token_hash
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note, _spread
 
@@ -77,7 +77,7 @@ def run_snapshot(cfg: BenchConfig) -> Result:
                     src.reset()
                     pb.note(f"{ctx_label(D)} prefill")
                     t0 = time.perf_counter()
-                    src.prefill(toks[:D])
+                    src.prefill(toks[:D], progress=pb.prefill_note(f"{ctx_label(D)}: "))
                     t_prefill = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     src.save(path)
@@ -107,7 +107,7 @@ def run_snapshot(cfg: BenchConfig) -> Result:
                 dst.restore(path)
                 same_logits = bool(np.array_equal(src.logits(), dst.logits()))
                 a, b = _greedy(src, CHECK_TOKENS), _greedy(dst, CHECK_TOKENS)
-                exact[D] = (same_logits, a == b, sum(x == y for x, y in zip(a, b)))
+                exact[D] = (same_logits, a == b, sum(x == y for x, y in zip(a, b)), token_hash(a), token_hash(b))
     finally:
         for f in tmp.iterdir():
             f.unlink()
@@ -117,7 +117,7 @@ def run_snapshot(cfg: BenchConfig) -> Result:
         size = statistics.median(x["file_bytes"] for x in rr)
         kv_bytes = rr[-1]["pool_bytes"] + rr[-1]["host_bytes"]
         full_kv = D * kv_per_token
-        same_logits, same_toks, n_same = exact[D]
+        same_logits, same_toks, n_same, hash_src, hash_dst = exact[D]
         ex = ("yes" if same_logits and same_toks else
               f"NO: logits {'equal' if same_logits else 'differ'}, {n_same}/{CHECK_TOKENS} tokens")
         for op in ["prefill", "save"] + RESTORES:
@@ -133,6 +133,7 @@ def run_snapshot(cfg: BenchConfig) -> Result:
                            file_vs_kv=f"{size / kv_bytes:.3f}")
             if op == "restore":
                 row["exact"] = ex
+                row["tokens_sha256"] = {"saved_session": hash_src, "restored": hash_dst}
             res.rows.append(row)
         a = [x["restore"] / x["restore_again"] for x in rr]
         target = max(x["restore"] / x["prefill"] for x in rr)
