@@ -39,6 +39,7 @@ def tiny(tmp_path_factory):
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
     ("exact", ["--contexts", "1200", "--prompts", "3", "--gen-tokens", "12", "--policy", "qk"]),
+    ("demo", ["--contexts", "1536", "--repeats", "5", "--policy", "qk"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -73,7 +74,36 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert rows[0]["rescores"]["max"] == 0
         assert "x (" in rows[1]["speed_ratio"] and "x (" in kv["speed_ratio"]
         assert any("A/A" in n for n in data["results"][0]["notes"])
+    # every result says what built it and on which weight paths
+    m = data["machine"]
+    assert len(m["kvflash_commit"]) == 40 or m["kvflash_commit"] == "unknown", m
+    assert m["kvflash_dirty"] in (True, False, None) and m["ggml_commit"] == "0c1e570"
+    assert set(m["build"]) >= {"native", "cpu_features", "cpu_extra_buffer_types", "repack"}, m["build"]
+    assert "tiny.gguf" in m["weight_placement"] and all("kernels" in x or "AMX" in x
+                                                         for x in m["weight_placement"]["tiny.gguf"])
+    head = (out / "table.md").read_text().splitlines()[0]
+    assert head.startswith(f"<!-- kvflash {m['kvflash_commit'][:12]}") and f"python -m kvflash.bench {routine}" in head
+    if routine == "demo":
+        res = data["results"][0]
+        rows = res["rows"]
+        assert [r["mode"] for r in rows] == ["full", "full (A/A control)", "kvflash"], rows
+        for r in rows:   # one prompt for all, 5 decode rounds each, an answer each
+            assert r["decode_tok_s"]["n"] == 5 and r["prompt_tokens"] > 1000 and r["correct"] in ("yes", "no"), r
+        assert rows[2]["kv_resident_mib"] < rows[0]["kv_resident_mib"] / 2 and rows[2]["host_mib"] > 0, rows
+        assert "x (" in rows[1]["speed_ratio"] and "x (" in rows[2]["speed_ratio"] and "speed_ratio" not in rows[0]
+        raw = res["raw"]
+        assert len(raw) == 15 and len({(x["mode"], x["round"]) for x in raw}) == 15
+        # every window starts from the same depth, and a scored policy's rescore falls inside each
+        for mode in ("full", "control", "kvflash"):
+            assert len({x["decode_ctx"] for x in raw if x["mode"] == mode}) == 1
+        assert all(x["window_rescores"] >= 1 for x in raw if x["mode"] == "kvflash")
+        assert any(n.startswith("decode kvflash/full:") and "A/A" in n for n in res["notes"])
+        assert any("KV resident" in n for n in res["notes"])
     if routine == "exact":
+        raw = data["results"][0]["raw"]
+        assert all(len(x["tokens_sha256"]) == 16 for x in raw)
+        by = {(x["mode"], x["prompt"]): x["tokens_sha256"] for x in raw}
+        assert all(by[("exact", i)] == by[("full", i)] for i in range(3))   # the identity, re-checkable
         rows = data["results"][0]["rows"]
         assert [r["mode"] for r in rows] == ["full", "exact", "full (A/A control)"], rows
         assert rows[1]["identical"] == "3/3" and rows[2]["identical"] == "3/3", rows
@@ -131,6 +161,8 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
                 assert r["file_mib"] > 0.9 * r["kv_mib"] > 0 and r["full_kv_mib"] > 0, r
             if r["op"] == "restore":   # restored logits and the next greedy tokens equal the saved session's
                 assert r["exact"] == "yes", r
+                h = r["tokens_sha256"]
+                assert h["saved_session"] == h["restored"] and len(h["restored"]) == 16, r
             if r["op"] != "prefill":
                 assert r["vs_prefill"].endswith("%)"), r
         raw = res["raw"]   # each repeat: its own prefill, and the file's size is what was written

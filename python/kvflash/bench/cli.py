@@ -11,7 +11,7 @@ from typing import Optional
 
 from .common import BenchConfig, log, machine_info
 
-ROUTINE_NAMES = ["ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
+ROUTINE_NAMES = ["demo", "ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
                  "ruler", "exact"]
 # `all` leaves out ruler (its matrix takes hours: run it by name, in parts: it resumes from its trial log) and
 # exact (full-cache prefills of 8K-32K per context: run it by name)
@@ -29,6 +29,9 @@ PRESETS = {
         "needle": dict(),
         "rescore": dict(contexts=[2048], repeats=1, policies=["qk", "drafter"]),
         "ab": dict(contexts=[1024], needles=5),  # ≥ 5 interleaved trials, 3 modes: ~4 min here
+        # the README's main command: one 4K prompt, 5 interleaved decode rounds per mode (needle early, out of the
+        # pool's tail window)
+        "demo": dict(contexts=[4096], repeats=5, depths=[10], haystacks=["prose"]),
         "snapshot": dict(contexts=[1024, 2048]),
         "serve": dict(contexts=[1024], decode_steps=64, clients=4, client_prompt=256, client_tokens=16),
         "attention": dict(pools=[512, 2048], repeats=5),

@@ -9,6 +9,7 @@ from ._shared import passkey_chunks, rank_of, rank_text, span_rank  # noqa: F401
 from .ab import run_ab
 from .attention import run_attention
 from .decode import run_decode
+from .demo import run_demo
 from .exact import run_exact
 from .memory import run_memory
 from .paging import run_paging
@@ -19,7 +20,7 @@ from .ruler import run_ruler
 from .serve import run_serve
 from .snapshot import run_snapshot
 
-ROUTINES = {"decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
+ROUTINES = {"demo": run_demo, "decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
             "snapshot": run_snapshot, "serve": run_serve,
             "attention": run_attention, "ruler": run_ruler, "exact": run_exact}

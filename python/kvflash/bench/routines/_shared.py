@@ -67,12 +67,13 @@ def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bo
     return sessions, na
 
 
-def _answer(s, ids: list, n: int) -> tuple:
+def _answer(s, ids: list, n: int, progress=None) -> tuple:
     """Fresh prefill of ids, then a greedy answer: (text, prefill seconds, snap) where snap is None, or
-    (scores, protected, resident) as the prompt's rescore left them (before the answer is decoded)."""
+    (scores, protected, resident) as the prompt's rescore left them (before the answer is decoded).
+    progress: the prefill's progress hook (Progress.prefill_note)."""
     s.reset()
     t0 = time.perf_counter()
-    s.prefill(ids)
+    s.prefill(ids, progress=progress)
     dt = time.perf_counter() - t0
     scores = None
     if s.last_scores is not None:

@@ -59,7 +59,8 @@ def run_ab(cfg: BenchConfig) -> Result:
                 order = order[k:] + order[:k]   # each mode takes each place in turn
                 for m, s in order:
                     pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: prefill")
-                    ans, dt, _ = _answer(s, t.ids, cfg.answer_tokens)
+                    ans, dt, _ = _answer(s, t.ids, cfg.answer_tokens,
+                                         progress=pb.prefill_note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}: "))
                     ctx0 = s.n_past
                     st0 = s.stats
                     pb.note(f"{ctx_label(D)} {m[0]} trial {t.index + 1}/{cfg.needles}: decode {n_dec}")

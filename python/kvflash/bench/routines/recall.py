@@ -53,7 +53,8 @@ def run_needle(cfg: BenchConfig) -> Result:
                 for t in trials:
                     for m, s in sessions.items():
                         pb.note(f"{ctx_label(D)} {hay} {m[0]} {m[1] or ''} {m[2] or ''} depth {t.depth}%")
-                        ans, dt, scores = _answer(s, t.ids, cfg.answer_tokens)
+                        ans, dt, scores = _answer(s, t.ids, cfg.answer_tokens, progress=pb.prefill_note(
+                            f"{ctx_label(D)} {hay} {m[0]} depth {t.depth}%: "))
                         ok = score(ans, t.value)
                         st = s.stats
                         cs = passkey_chunks(s, t.ids, t.value)

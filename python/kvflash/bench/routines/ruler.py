@@ -164,7 +164,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                         pb.note(f"{ctx_label(D)} {task} {hay} #{i}: full")
                         full.reset()
                         t0 = time.perf_counter()
-                        full.prefill(tr.ids)
+                        full.prefill(tr.ids, progress=pb.prefill_note(f"{ctx_label(D)} {task} #{i} full: "))
                         pre = time.perf_counter() - t0
                         ans, dt = _answer(full, tr.answer_tokens)
                         rec["modes"].append({"residency": 1, "pool": None, "policy": "full", "answer": ans,
@@ -178,7 +178,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                             s.policy = pols["lru"]
                             s.reset()
                             t0 = time.perf_counter()
-                            s.prefill(tr.ids)
+                            s.prefill(tr.ids, progress=pb.prefill_note(f"{ctx_label(D)} {task} #{i} 1/{r}: "))
                             pre = time.perf_counter() - t0
                             s.save(snap)
                             for name in policies:
