@@ -22,7 +22,8 @@ def run_demo(cfg: BenchConfig) -> Result:
     period = max(cfg.tau, D // 45)
     window = max(cfg.decode_steps, period + 1)
     res = Result("demo", f"{ctx_label(D)} prompt: full cache vs kvflash (pool {pool}, policy {cfg.policy}) with an "
-                 f"A/A control, decode median (min-max) over {cfg.repeats} interleaved rounds of {window} tokens",
+                 f"A/A control: decode tok/s median ± farthest round, ratio vs full median (min-max) of per-round pairs, "
+                 f"over {cfg.repeats} interleaved rounds of {window} tokens",
                  BASE_COLS + [("mode", "mode"), ("pool", "pool"), ("policy", "policy"),
                               ("prompt_tokens", "prompt tokens"), ("prefill_s", "prefill s"),
                               ("decode_tok_s", "decode tok/s"), ("speed_ratio", "decode vs full (min-max)"),
