@@ -15,7 +15,7 @@ pytest.importorskip("gguf")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_tiny_chat_model  # noqa: E402
 
 import kvflash  # noqa: E402
 from kvflash import cli  # noqa: E402
@@ -25,10 +25,7 @@ from kvflash.session import PrefillProgress  # noqa: E402
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     p = tmp_path_factory.mktemp("cli") / "small.gguf"
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
-    write_tiny_model(p, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, weight_type="f32",
-                     seed=7, extra={"tokenizer.chat_template": template})
+    write_tiny_chat_model(p, seed=7)
     return str(p)
 
 

@@ -22,7 +22,7 @@ import uvicorn  # noqa: E402,F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_tiny_chat_model  # noqa: E402
 
 from kvflash.bench.routines.serve import ServerProcess  # noqa: E402
 
@@ -41,10 +41,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     p = tmp_path_factory.mktemp("serve") / "small.gguf"
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
-    write_tiny_model(p, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, weight_type="f32",
-                     seed=3, weight_scale=2.0, extra={"tokenizer.chat_template": template})
+    write_tiny_chat_model(p, seed=3, weight_scale=2.0)
     return str(p)
 
 

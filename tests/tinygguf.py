@@ -422,3 +422,14 @@ def write_small_llama(path: str | Path, seed: int) -> str:
     write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
                      weight_type="f32", seed=seed)
     return str(path)
+
+
+# A plain "role: content" chat template, for tests that go through chat() on a tiny model.
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def write_tiny_chat_model(path: str | Path, *, seed: int, **kw) -> None:
+    """A 2-layer f32 llama (n_embd 128, 4 heads, 2 KV heads) with PLAIN_CHAT_TEMPLATE."""
+    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, weight_type="f32",
+                     seed=seed, extra={"tokenizer.chat_template": PLAIN_CHAT_TEMPLATE}, **kw)
