@@ -108,14 +108,17 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  c.prefill_piece = prefill_piece;
                  c.eval_layers = eval_layers;
                  c.max_host_bytes = max_host_bytes;
+                 SessionConfig sc;
+                 sc.runtime = c;
+                 sc.seed = seed;
                  auto r = std::make_shared<PyRuntime>();
                  r->model = model;
-                 r->rt = std::make_unique<Runtime>(model, c);
+                 r->session = std::make_unique<Session>(model, sc);
+                 r->rt = &r->session->runtime();
                  if (chunk_summaries) {
                      r->summaries = std::make_shared<ChunkSummaries>();
                      r->rt->set_observer(r->summaries);
                  }
-                 r->sampler.seed(seed);
                  // Ctrl-C between the pieces of a long prompt: the runtime takes the evaluated
                  // pieces back and eval raises KeyboardInterrupt (PyErr_CheckSignals set it).
                  r->rt->set_interrupt([] {
@@ -170,7 +173,7 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                              py::gil_scoped_acquire gil;
                              progress(done, total, outs);   // what it raises ends the eval (all or nothing)
                          };
-                     r.rt->eval(t.data(), n, all_logits, o, opt);
+                     r.session->eval(t.data(), n, all_logits, o, opt);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();  // the KeyboardInterrupt PyErr_CheckSignals raised
                  }
@@ -198,11 +201,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  SpecRound rd;
                  {
                      py::gil_scoped_release nogil;
-                     rd = speculative_round(*r.rt, r.sampler, tok, k, sp, r.sampled_vocab(), stop_ids);
+                     rd = r.session->spec_round(tok, k, sp, stop_ids);
                  }
-                 const size_t V = size_t(r.model->hparams().n_vocab);
-                 r.round_logits.swap(rd.logits);
-                 r.logits.assign(r.round_logits.end() - V, r.round_logits.end());
                  py::dict d;
                  d["accepted"] = rd.accepted;
                  d["next"] = rd.next;
@@ -219,10 +219,11 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
              "the last accepted token, round_logits(i) the row after accepted[i].")
         .def("round_logits", [](PyRuntime &r, int32_t i) {
                  InUse use(&r.busy);
-                 const int64_t V = r.model->hparams().n_vocab, n = int64_t(r.round_logits.size()) / std::max<int64_t>(V, 1);
+                 const std::vector<float> &rl = r.session->round_logits();
+                 const int64_t V = r.model->hparams().n_vocab, n = int64_t(rl.size()) / std::max<int64_t>(V, 1);
                  if (i < 0 || i >= n)
                      throw std::out_of_range("round_logits: row " + std::to_string(i) + " of the last round's " + std::to_string(n));
-                 return py::array_t<float>(py::ssize_t(V), r.round_logits.data() + size_t(i) * V);
+                 return py::array_t<float>(py::ssize_t(V), rl.data() + size_t(i) * V);
              }, py::arg("i"))
         .def("eval_sample", [](PyRuntime &r, py::array tokens, float temperature, int32_t top_k, float top_p, float min_p) {
                  if (r.rt->config().eval_layers > 0)
@@ -232,14 +233,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(tokens);
                  if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("eval_sample: too many tokens in one call");
-                 const int32_t n = int32_t(t.size()), V = r.model->hparams().n_vocab;
+                 const int32_t n = int32_t(t.size());
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
-                 r.logits.resize(V);
                  int32_t tok;
                  try {
                      py::gil_scoped_release nogil;
-                     r.rt->eval(t.data(), n, false, r.logits.data());
-                     tok = r.sampler.sample(r.logits.data(), r.sampled_vocab(), sp);
+                     tok = r.session->eval_sample(t.data(), n, sp);
                  } catch (const EvalInterrupted &) {
                      throw py::error_already_set();
                  }
@@ -253,26 +252,24 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  if (!l || l.ndim() != 1 || l.shape(0) != V)
                      throw std::invalid_argument("logits must be a 1-D array of n_vocab=" + std::to_string(V) + " floats");
                  const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
-                 return r.sampler.sample(l.data(), r.sampled_vocab(), sp);
+                 return r.session->sampler().sample(l.data(), r.session->sampled_vocab(), sp);
              }, py::arg("logits"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
              py::arg("min_p") = 0.f, "Sample a token id from a logits row with the runtime's seeded sampler.")
         .def("last_logits", [](PyRuntime &r) {
                  InUse use(&r.busy);
-                 return py::array_t<float>(py::ssize_t(r.logits.size()), r.logits.data());
+                 const std::vector<float> &l = r.session->logits();
+                 return py::array_t<float>(py::ssize_t(l.size()), l.data());
              })
-        .def("seed", [](PyRuntime &r, uint64_t s) { InUse use(&r.busy); r.sampler.seed(s); }, py::arg("seed"))
-        .def_property("sample_vocab", [](PyRuntime &r) { return r.sample_vocab; }, [](PyRuntime &r, int32_t n) {
+        .def("seed", [](PyRuntime &r, uint64_t s) { InUse use(&r.busy); r.session->sampler().seed(s); }, py::arg("seed"))
+        .def_property("sample_vocab", [](PyRuntime &r) { return r.session->sample_vocab(); }, [](PyRuntime &r, int32_t n) {
                  InUse use(&r.busy);
-                 if (n < 0 || n > r.model->hparams().n_vocab)
-                     throw std::invalid_argument("sample_vocab must be in [0, n_vocab=" +
-                                                 std::to_string(r.model->hparams().n_vocab) + "] (0: all ids)");
-                 r.sample_vocab = n;
+                 r.session->set_sample_vocab(n);
              }, "Sample only ids below this (0: every id): a tokenizer with fewer ids than the model's vocabulary "
                 "(padded embedding rows) can decode every id sampled.")
-        .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.rt->truncate(n); }, py::arg("n_past"))
+        .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.session->truncate_cache(n); }, py::arg("n_past"))
         .def_property_readonly("max_rewind", [](PyRuntime &r) { return r.rt->max_rewind(); },
                                "how far back truncate can go from n_past (the sliding-window ring's slack)")
-        .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.rt->reset(); })
+        .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.session->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();
             py::dict d;

@@ -45,7 +45,7 @@ void bind_snapshot(py::module_ &m, RuntimeClass &cls) {
                 if (!l || l.ndim() != 1) throw std::invalid_argument("save_snapshot: logits must be a 1-D float array");
                 s.logits.assign(l.data(), l.data() + l.shape(0));
             }
-            s.sampler = r.sampler;
+            s.sampler = r.session->sampler();
             s.app = std::string(app);
             const std::string p = py::str(path).cast<std::string>();
             py::gil_scoped_release nogil;
@@ -87,8 +87,8 @@ for every refusal, and a refusal changes nothing.
                 py::gil_scoped_release nogil;
                 s.apply(*r.rt, r.summaries.get());
             }
-            r.sampler = s.session().sampler;
-            r.logits = s.session().logits;
+            r.session->sampler() = s.session().sampler;
+            r.session->restore_state(s.session().tokens, s.session().logits, 0, 0, {});
         }, py::arg("runtime"));
 }
 

@@ -18,6 +18,7 @@
 #include "kvflash/model.h"
 #include "kvflash/pool.h"
 #include "kvflash/runtime.h"
+#include "kvflash/session.h"
 #include "kvflash/sampling.h"
 #include "kvflash/scoring.h"
 
@@ -52,16 +53,9 @@ private:
 struct PyRuntime {
     std::atomic<bool> busy{false};               // InUse
     std::shared_ptr<Model> model;
-    std::unique_ptr<Runtime> rt;
+    std::unique_ptr<Session> session;            // the core session: runtime, sampler, history, logits, schedule
+    Runtime *rt = nullptr;                       // session->runtime()
     std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
-    Sampler sampler;
-    std::vector<float> logits;                   // after the last eval_sample (or speculative round)
-    std::vector<float> round_logits;             // the last speculative round's verified rows [n_accepted][n_vocab]
-    int32_t sample_vocab = 0;                    // > 0: sample among the first sample_vocab ids only
-    int32_t sampled_vocab() const {
-        const int32_t V = model->hparams().n_vocab;
-        return sample_vocab > 0 && sample_vocab < V ? sample_vocab : V;
-    }
 };
 using RuntimeClass = py::class_<PyRuntime, std::shared_ptr<PyRuntime>>;
 

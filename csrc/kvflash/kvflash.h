@@ -48,7 +48,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 7
+#define KVFLASH_API_VERSION 8
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -167,8 +167,20 @@ int64_t kvflash_n_past(const kvflash_session *session);
 /* Forget positions >= n_past.  With "qk", the queries the policy scores with (the last
  * qk_queries + qk_contrast evaluated) go with the forgotten positions: evaluate again the
  * last of the kept tokens (or a prompt of that many) before the next rescore, or it scores
- * with fewer.  kvflash.Session.truncate does that itself. */
+ * with fewer; kvflash_rewind does that itself. */
 int kvflash_truncate(kvflash_session *session, int64_t n_past);
+/* Since API version 8: the context becomes tokens[0 .. n).  The longest common prefix with
+ * what the session holds is kept, the rest forgotten, the new part evaluated as kvflash_eval
+ * evaluates a prompt (at least the last token is read again, for fresh logits; with "qk" enough
+ * of the kept prefix is read again that the policy's queries are whole).  *reused (may be NULL)
+ * gets the tokens kept; logits as kvflash_eval's.  A multi-turn chat sends the whole
+ * conversation each turn and pays only for what is new. */
+int kvflash_continue(kvflash_session *session, const int32_t *tokens, int32_t n, int64_t *reused, float *logits);
+/* Since API version 8: rewind to the first n_past tokens and read the last kept ones again
+ * (with "qk", the policy's queries), so kvflash_sample / kvflash_decode continue from fresh
+ * logits, as kvflash.Session.truncate does.  The tokens come from the session's own history.
+ * KVFLASH_EINVAL when gemma3's sliding-window ring no longer reaches that far back. */
+int kvflash_rewind(kvflash_session *session, int64_t n_past);
 /* Back to an empty context; policy state (scores, the rescore schedule) included. */
 int kvflash_reset(kvflash_session *session);
 

@@ -15,9 +15,7 @@
 #include <vector>
 
 #include "kvflash/limits.h"  // kMaxContext
-#include "kvflash/runtime.h"
-#include "kvflash/scoring.h"
-#include "kvflash/sampling.h"
+#include "kvflash/session.h"
 
 #ifndef KVFLASH_VERSION_STRING
 #define KVFLASH_VERSION_STRING "unknown"
@@ -27,38 +25,18 @@ struct kvflash_model {
     std::shared_ptr<kvflash::Model> m;
 };
 
-// A session: the runtime plus what kvflash.Session does around it for the qk policy
-// (the same schedule, so the C and Python paths give the same tokens).
+// A session: the core session (csrc/kvflash/session.h: the schedule, the scorers, the history
+// and the logits, shared with Python) behind the C API's error and threading conventions.
 struct kvflash_session {
-    std::shared_ptr<kvflash::Model> m;
-    std::unique_ptr<kvflash::Runtime> rt;
-    kvflash::Sampler sampler;
-    bool qk = false;
-    kvflash::PeakScoring peak;
-    int32_t tau = 64, reeval_tokens = 64;
-    int64_t since_rescore = 0, rescores = 0;
-    std::vector<float> logits;   // after the last evaluated token (empty before any eval)
-    std::vector<float> scores;
+    std::unique_ptr<kvflash::Session> s;
     mutable std::string err;
     mutable std::atomic<bool> busy{false};     // guarded(): one call at a time
     mutable std::atomic<int32_t> readers{0};   // reading(): readers in progress; a call waits for them
 
-    int32_t n_chunks() const {
-        const int64_t C = rt->config().chunk_tokens;
-        return int32_t((rt->n_past() + C - 1) / C);
-    }
-    bool scored() const { return qk && !rt->full_cache(); }
-    int32_t rescore() {
-        const int32_t n = n_chunks();
-        if (!scored() || n == 0) return 0;
-        scores.resize(size_t(n));
-        kvflash::qk_peak_scores(*rt, peak, scores.data(), n, m->n_threads());
-        ++rescores;
-        return rt->pager().reselect(scores.data(), n);
-    }
-    void eval_into_logits(const int32_t *tokens, int32_t n) {
-        logits.resize(size_t(m->hparams().n_vocab));
-        rt->eval(tokens, n, false, logits.data());
+    kvflash::Runtime &rt() { return s->runtime(); }
+    const kvflash::Runtime &rt() const { return s->runtime(); }
+    void copy_logits(float *out) const {
+        if (out) std::memcpy(out, s->logits().data(), s->logits().size() * sizeof(float));
     }
 };
 
@@ -267,7 +245,8 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         if (p.reeval_tokens < 1)
             throw std::invalid_argument("params.reeval_tokens must be >= 1, got " + std::to_string(p.reeval_tokens));
         if (p.pool_tokens < 0) throw std::invalid_argument("params.pool_tokens must be >= 0 (0: full cache)");
-        kvflash::RuntimeConfig c;
+        kvflash::SessionConfig sc;
+        kvflash::RuntimeConfig &c = sc.runtime;
         c.max_ctx = p.max_ctx;
         c.pool_tokens = p.pool_tokens;
         c.kv_type = p.kv_type ? p.kv_type : "q8_0";
@@ -279,19 +258,15 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +
                                         std::to_string(p.max_host_bytes));
         c.max_host_bytes = p.max_host_bytes;
-        c.capture_queries = policy == "qk" ? p.qk_queries + p.qk_contrast : 1;
-        auto s = std::make_unique<kvflash_session>();
-        s->m = model->m;
-        s->rt = std::make_unique<kvflash::Runtime>(model->m, c);
-        s->sampler.seed(p.seed);
-        s->qk = policy == "qk";
-        if (s->qk) {
-            const int32_t n_paged = s->rt->pool().n_layers();
-            s->peak = {p.qk_queries, p.qk_contrast, p.qk_spread,
-                       p.qk_layers < 0 ? kvflash::qk_auto_layers(n_paged) : p.qk_layers, p.qk_carry};
+        if (policy == "qk") {
+            sc.scorer = kvflash::Scorer::Peak;
+            sc.peak = {p.qk_queries, p.qk_contrast, p.qk_spread, p.qk_layers < 0 ? -1 : p.qk_layers, p.qk_carry};
         }
-        s->tau = p.tau;
-        s->reeval_tokens = p.reeval_tokens;
+        sc.tau = p.tau;
+        sc.reeval_tokens = p.reeval_tokens;
+        sc.seed = p.seed;
+        auto s = std::make_unique<kvflash_session>();
+        s->s = std::make_unique<kvflash::Session>(model->m, sc);
         return s.release();
     } catch (const std::exception &e) {
         put_err(err, err_len, e.what());
@@ -306,33 +281,24 @@ void kvflash_session_free(kvflash_session *session) { delete session; }
 int kvflash_eval(kvflash_session *s, const int32_t *tokens, int32_t n, float *logits) {
     return guarded(s, [&] {
         if (!tokens || n <= 0) throw std::invalid_argument("eval: tokens must be non-NULL and n > 0");
-        s->eval_into_logits(tokens, n);
-        if (s->scored() && s->rt->pager().stats().host_chunks > 0) {
-            // The prompt outgrew the pool: choose the residents against its tail now,
-            // then re-read that tail so it attends to them in every layer.
-            s->since_rescore = 0;
-            if (s->rescore() > 0) {
-                const int32_t k = std::max(1, std::min(n, s->reeval_tokens));
-                s->rt->truncate(s->rt->n_past() - k);
-                s->eval_into_logits(tokens + (n - k), k);
-            }
-        }
-        if (logits) std::memcpy(logits, s->logits.data(), s->logits.size() * sizeof(float));
+        s->s->prefill(tokens, n);
+        s->copy_logits(logits);
+    });
+}
+
+int kvflash_continue(kvflash_session *s, const int32_t *tokens, int32_t n, int64_t *reused, float *logits) {
+    return guarded(s, [&] {
+        if (!tokens || n <= 0) throw std::invalid_argument("continue: tokens must be non-NULL and n > 0");
+        const int64_t r = s->s->continue_to(tokens, n);
+        if (reused) *reused = r;
+        s->copy_logits(logits);
     });
 }
 
 int kvflash_decode(kvflash_session *s, int32_t token, const kvflash_sampling *sp, int32_t *next) {
     return guarded(s, [&] {
         if (!next) throw std::invalid_argument("decode: next must be non-NULL");
-        const kvflash::SamplerParams p = sampler_params(sp);
-        s->eval_into_logits(&token, 1);
-        const int32_t tok = s->sampler.sample(s->logits.data(), int32_t(s->logits.size()), p);
-        ++s->since_rescore;
-        if (s->scored() && s->since_rescore >= std::max<int64_t>(s->tau, s->rt->n_past() / 45)) {
-            s->since_rescore = 0;
-            s->rescore();
-        }
-        *next = tok;
+        *next = s->s->advance(token, sampler_params(sp));
     });
 }
 
@@ -341,79 +307,68 @@ int kvflash_sample(kvflash_session *s, const float *logits, const kvflash_sampli
         if (!token) throw std::invalid_argument("sample: token must be non-NULL");
         const kvflash::SamplerParams p = sampler_params(sp);
         if (!logits) {
-            if (s->logits.empty()) throw std::invalid_argument("sample: no logits yet: evaluate a prompt first");
-            logits = s->logits.data();
+            if (!s->s->has_logits()) throw std::invalid_argument("sample: no logits yet: evaluate a prompt first");
+            *token = s->s->sample(p);
+        } else {
+            *token = s->s->sampler().sample(logits, s->s->model().hparams().n_vocab, p);
         }
-        *token = s->sampler.sample(logits, s->m->hparams().n_vocab, p);
     });
 }
 
 int kvflash_set_seed(kvflash_session *s, uint64_t seed) {
-    return guarded(s, [&] { s->sampler.seed(seed); });
+    return guarded(s, [&] { s->s->sampler().seed(seed); });
 }
 
 const float *kvflash_get_logits(const kvflash_session *s) {
     const float *out = nullptr;
-    if (s) reading(s, [&] { out = s->logits.empty() ? nullptr : s->logits.data(); });
+    if (s) reading(s, [&] { out = s->s->has_logits() ? s->s->logits().data() : nullptr; });
     return out;
 }
 
 int64_t kvflash_n_past(const kvflash_session *s) {
     if (!s) return 0;
     int64_t n = KVFLASH_EBUSY;
-    reading(s, [&] { n = s->rt->n_past(); });
+    reading(s, [&] { n = s->s->n_past(); });
     return n;
 }
 
 int kvflash_truncate(kvflash_session *s, int64_t n_past) {
-    return guarded(s, [&] {
-        s->rt->truncate(n_past);
-        s->logits.clear();  // they belonged to the forgotten tail
-    });
+    return guarded(s, [&] { s->s->truncate_cache(n_past); });   // the logits go with the forgotten tail
+}
+
+int kvflash_rewind(kvflash_session *s, int64_t n_past) {
+    return guarded(s, [&] { s->s->truncate(n_past); });
 }
 
 int kvflash_reset(kvflash_session *s) {
-    return guarded(s, [&] {
-        s->rt->reset();
-        s->logits.clear();
-        s->since_rescore = 0;
-    });
+    return guarded(s, [&] { s->s->reset(); });
 }
 
 int kvflash_rescore(kvflash_session *s, int32_t *moved) {
     return guarded(s, [&] {
-        const int32_t m = s->rescore();
-        s->since_rescore = 0;
+        const int32_t m = s->s->rescore();
         if (moved) *moved = m;
     });
 }
 
 int kvflash_reselect(kvflash_session *s, const float *scores, int32_t n) {
-    return guarded(s, [&] {
-        if (!scores || n < 0) throw std::invalid_argument("reselect: scores must be non-NULL and n >= 0");
-        if (n > s->n_chunks())
-            throw std::out_of_range("reselect: " + std::to_string(n) + " scores for " + std::to_string(s->n_chunks()) +
-                                    " chunks");
-        for (int32_t i = 0; i < n; ++i)
-            if (std::isnan(scores[i])) throw std::invalid_argument("reselect: score " + std::to_string(i) + " is NaN");
-        s->rt->pager().reselect(scores, n);
-    });
+    return guarded(s, [&] { s->s->reselect(scores, n); });
 }
 
 int32_t kvflash_n_chunks(const kvflash_session *s) {
     if (!s) return 0;
     int32_t n = KVFLASH_EBUSY;
-    reading(s, [&] { n = s->n_chunks(); });
+    reading(s, [&] { n = s->s->n_chunks(); });
     return n;
 }
 
 int kvflash_chunk_flags(const kvflash_session *s, uint8_t *flags, int32_t n) {
     return guarded(s, [&] {
         if (!flags || n < 0) throw std::invalid_argument("chunk_flags: flags must be non-NULL and n >= 0");
-        if (n > s->n_chunks())
+        if (n > s->s->n_chunks())
             throw std::out_of_range("chunk_flags: n " + std::to_string(n) + " above the " +
-                                    std::to_string(s->n_chunks()) + " chunks materialised");
-        const kvflash::Pager &pg = s->rt->pager();
+                                    std::to_string(s->s->n_chunks()) + " chunks materialised");
+        const kvflash::Pager &pg = s->rt().pager();
         for (int32_t c = 0; c < n; ++c)
             flags[c] = uint8_t((pg.block_of(c) >= 0 ? KVFLASH_CHUNK_RESIDENT : 0) |
                                (pg.host_of(c) >= 0 ? KVFLASH_CHUNK_ON_HOST : 0) |
@@ -426,19 +381,19 @@ kvflash_stats kvflash_get_stats(const kvflash_session *s) {
     std::memset(&out, 0, sizeof out);
     if (!s) return out;
     const bool read = reading(s, [&] {
-        const kvflash::PagerStats p = s->rt->pager().stats();  // plain reads: nothing here throws
-        out.n_past = s->rt->n_past();
+        const kvflash::PagerStats p = s->rt().pager().stats();  // plain reads: nothing here throws
+        out.n_past = s->rt().n_past();
         out.page_outs = p.page_outs;
         out.page_ins = p.page_ins;
         out.bytes_out = p.bytes_out;
         out.bytes_in = p.bytes_in;
         out.resident_chunks = p.resident_chunks;
         out.host_chunks = p.host_chunks;
-        out.resident_bytes = uint64_t(p.resident_bytes + s->rt->swa_bytes());
+        out.resident_bytes = uint64_t(p.resident_bytes + s->rt().swa_bytes());
         out.host_bytes = uint64_t(p.host_bytes);
-        out.pool_tokens = s->rt->pager().config().pool_tokens;
-        out.n_chunks = s->n_chunks();
-        out.rescores = s->rescores;
+        out.pool_tokens = s->rt().pager().config().pool_tokens;
+        out.n_chunks = s->s->n_chunks();
+        out.rescores = s->s->rescores();
     });
     if (!read) out.n_past = KVFLASH_EBUSY;
     return out;

@@ -1,0 +1,191 @@
+// The session: one conversation's state over a Model, and the logic every client shares.
+//
+// A Session owns the Runtime (pool, pager, host store, graphs), the sampler, the token history,
+// the last logits and the policy's schedule.  Python's kvflash.Session, the C API and the
+// server are clients of it: they bring text, stop strings and (Python) policies written in
+// Python, and call the verbs below.  What lives here, once:
+//   - the history: always the tokens the cache holds (tokens().size() == n_past());
+//   - prefill, all or nothing: a failed or interrupted prompt puts the context back as it was
+//     (tokens, logits, the schedule's counter, the capture window);
+//   - the rescore schedule: every max(tau, history / 45) decoded tokens, and once after a prompt
+//     that outgrew the pool (then the prompt's last reeval_tokens are read again over the chosen
+//     residents);
+//   - the scorers: the built-in qk peak scorer, or scores handed in by the client's callback;
+//   - truncate with the capture window read again, and continue_to (longest common prefix with the
+//     history, the rest cut, the new part prefilled);
+//   - exact mode's rounds (drafts over the pool, one exact verification pass) and their draft
+//     length, chosen from the measured acceptance and costs.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvflash/runtime.h"
+#include "kvflash/sampling.h"
+#include "kvflash/scoring.h"
+#include "kvflash/speculative.h"
+
+namespace kvflash {
+
+constexpr int32_t kMaxDraft = 16;   // drafts per exact-mode round, at most
+
+// What scores the chunks when the schedule says so.
+enum class Scorer {
+    None,       // lru: the pager's recency order, nothing scored
+    Peak,       // qk: qk_peak_scores over the captured queries (SessionConfig::peak)
+    External,   // the client's callback (a policy written in Python, scores from a C program)
+};
+
+struct SessionConfig {
+    RuntimeConfig runtime;
+    Scorer scorer = Scorer::None;
+    PeakScoring peak;           // Scorer::Peak's settings (n_layers -1: qk_auto_layers, 0: all paged layers)
+    int32_t tau = 64;           // decoded tokens between rescores, at least
+    int32_t reeval_tokens = 64; // a prompt's tail read again after its settling rescore
+    uint64_t seed = 0;
+    bool exact = false;         // exact mode: speculative rounds verified over the whole context
+    int32_t exact_draft = -1;   // drafts per round (-1: adaptive)
+    bool exact_prefill = false; // prompts attend the whole context (implied by exact)
+    // Throws std::invalid_argument naming the field.
+    void validate() const;
+};
+
+// Exact mode's counters, and the draft length chosen from them.  A round of k drafts keeps
+// (1 - a^(k+1)) / (1 - a) tokens on average (a: the per-draft acceptance) and costs
+// k * t_draft + t_fixed + (k + 1) * t_token; t_fixed and t_token come from a least-squares line
+// through the recent verification passes (the first rounds alternate 2 and 8 drafts so two
+// lengths are seen).  k = 0 is the full cache's own step, chosen when drafting does not pay.
+struct SpecStats {
+    int64_t rounds = 0, drafted = 0, kept = 0;
+    double draft_ms = 0, verify_ms = 0;
+    void add(const SpecRound &r);
+    int32_t choose_k() const;
+
+private:
+    double a_ = 0.8, td_ = 0;
+    bool have_td_ = false;
+    std::deque<std::pair<int32_t, double>> passes_;   // (tokens verified, ms), the last 24
+};
+
+class Session {
+public:
+    // External scorer: fill out with one score per chunk (n_chunks of them) and return true, or
+    // return false for "no scores this time" (nothing moves).  It may throw; the rescore is then
+    // not counted and nothing moved.
+    using ScoreFn = std::function<bool(int32_t n_chunks, std::vector<float> &out)>;
+    // Told when the history was cut back to n tokens (0: reset), for scorers with state of their own.
+    using RewindFn = std::function<void(int64_t n)>;
+    using ProgressFn = std::function<void(int32_t done, int32_t total)>;
+
+    Session(std::shared_ptr<Model> model, SessionConfig cfg);
+
+    // ---- state (plain reads)
+    const Model &model() const { return *model_; }
+    std::shared_ptr<Model> model_ptr() const { return model_; }
+    Runtime &runtime() { return *rt_; }
+    const Runtime &runtime() const { return *rt_; }
+    const SessionConfig &config() const { return cfg_; }
+    const std::vector<int32_t> &tokens() const { return tokens_; }
+    int64_t n_past() const { return rt_->n_past(); }
+    int32_t n_chunks() const;
+    bool paged() const { return !rt_->full_cache(); }
+    bool scored() const { return paged() && cfg_.scorer != Scorer::None; }
+    bool exact() const { return cfg_.exact && paged(); }
+    bool exact_prefill() const { return (cfg_.exact_prefill || cfg_.exact) && paged(); }
+    const std::vector<float> &logits() const { return logits_; }   // empty: none
+    bool has_logits() const { return !logits_.empty(); }
+    const std::vector<float> &last_scores() const { return last_scores_; }
+    int64_t rescores() const { return rescores_; }
+    int64_t since_rescore() const { return since_rescore_; }
+    double rescore_ms() const { return rescore_ms_; }
+    const SpecStats &spec() const { return spec_; }
+    int32_t n_capture() const { return rt_->config().capture_queries; }
+    Sampler &sampler() { return sampler_; }
+    // Sample only ids below this (0: every id): padded embedding rows no tokenizer can decode.
+    int32_t sample_vocab() const { return sample_vocab_; }
+    void set_sample_vocab(int32_t n);
+    int32_t sampled_vocab() const;
+
+    void set_scorer(ScoreFn f) { score_fn_ = std::move(f); }
+    void set_rewind_hook(RewindFn f) { rewind_fn_ = std::move(f); }
+    // Change the schedule's settings (a restored snapshot keeps this session's own).
+    void set_schedule(int32_t tau, int32_t reeval_tokens);
+
+    // ---- the verbs
+    // Appends a prompt at n_past and settles it (a scored session whose prompt outgrew the pool
+    // rescores and reads its tail again).  All or nothing.  Returns the tokens added.
+    int32_t prefill(const int32_t *ids, int32_t n, const ProgressFn &progress = {});
+    // The history becomes ids: the longest common prefix is kept (at least one token is read
+    // again, for fresh logits; a scored session re-reads enough of the kept prefix to refill its
+    // capture window), the rest cut, the new part prefilled.  Returns the tokens reused.
+    int64_t continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress = {});
+    // Rewinds to the first n tokens (0: reset) and reads the last kept ones again, so decoding
+    // continues from fresh logits with a whole capture window.  std::invalid_argument when the
+    // sliding-window ring no longer reaches that far back (nothing changed then).
+    void truncate(int64_t n);
+    void reset();
+    // The token sampled from the last logits.
+    int32_t sample(const SamplerParams &p);
+    // Decoding: tok (sampled, not yet evaluated) enters the history; returns the token after it.
+    // Rescores when the schedule says.  Exact mode: a round drafts ahead, and the kept drafts are
+    // handed out by the next calls before another round; budget is how many tokens the caller
+    // may still take (drafts past it are not made), stop_ids end a round's drafting.
+    int32_t advance(int32_t tok, const SamplerParams &p, int64_t budget = INT64_MAX,
+                    const std::vector<int32_t> &stop_ids = {});
+    // At a generation's end: exact-mode drafts the caller did not take leave the cache (the last
+    // logits become the verified row after the last taken token).  No-op otherwise.
+    void settle();
+    // Asks the scorer for chunk scores now and repages the pool; returns chunks moved.
+    int32_t rescore();
+    // Scores handed in (one per chunk, up to n_chunks(), no NaN): repages the pool.
+    int32_t reselect(const float *scores, int32_t n);
+
+    // ---- low-level evaluation (the bench, tests, exact mode's round, a scoring runtime): the
+    // history follows the cache through each of them.
+    void eval(const int32_t *ids, int32_t n, bool all_logits, float *out, const EvalOptions &opt = {});
+    int32_t eval_sample(const int32_t *ids, int32_t n, const SamplerParams &p);
+    SpecRound spec_round(int32_t tok, int32_t k, const SamplerParams &p, const std::vector<int32_t> &stop_ids);
+    const std::vector<float> &round_logits() const { return round_logits_; }
+    void truncate_cache(int64_t n);   // the cache alone cut to n (no re-read); logits dropped
+
+    // ---- snapshots: what the schedule keeps besides the runtime's own state
+    void restore_state(std::vector<int32_t> tokens, std::vector<float> logits, int64_t since_rescore,
+                       int64_t rescores, std::vector<float> last_scores);
+
+private:
+    int32_t prefill_(const int32_t *ids, int32_t n, const ProgressFn &progress);
+    void settle_prompt(const int32_t *ids, int32_t n);
+    void maybe_rescore();
+    void rewind_to(int64_t n, std::vector<float> logits, int64_t since, const std::vector<float> *queries,
+                   int32_t n_queries);
+    void truncate_(int64_t n);
+    void reset_();
+    void told_rewind();
+    int32_t round(int32_t tok, const SamplerParams &p, int64_t budget, const std::vector<int32_t> &stop_ids);
+    void eval_logits(const int32_t *ids, int32_t n, bool exact);
+
+    std::shared_ptr<Model> model_;
+    SessionConfig cfg_;
+    std::unique_ptr<Runtime> rt_;
+    Sampler sampler_;
+    int32_t sample_vocab_ = 0;
+    std::vector<int32_t> tokens_;
+    std::vector<float> logits_;        // after the last evaluated token (empty: none)
+    std::vector<float> round_logits_;  // the last round's verified rows [accepted][n_vocab]
+    std::vector<float> last_scores_;   // the chunk scores of the last rescore
+    int64_t since_rescore_ = 0, rescores_ = 0;
+    double rescore_ms_ = 0;
+    ScoreFn score_fn_;
+    RewindFn rewind_fn_;
+    // exact mode: drafts the last round kept that advance() has not handed out yet
+    std::deque<int32_t> ahead_;
+    int64_t round_base_ = 0;
+    int32_t round_next_ = -1;
+    SpecStats spec_;
+};
+
+}  // namespace kvflash
