@@ -52,7 +52,6 @@ def main() -> int:
             for _ in range(a.steps):
                 tok = rt.eval_sample(np.asarray([tok], dtype=np.int32))
             rates[name].append(a.steps / (time.perf_counter() - t0))
-            s._last_logits = rt.last_logits().copy()
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["long"] / med["short"]
     per_round = [l / s for s, l in zip(rates["short"], rates["long"])]

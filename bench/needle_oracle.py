@@ -57,13 +57,11 @@ def main() -> None:
         s.rescore()
         k = 64
         s.runtime.truncate(len(ids) - k)
-        s._last_logits = s.runtime.eval(np.asarray(ids[-k:], dtype=np.int32))
-        s._tokens = list(ids)
+        s.runtime.eval_sample(np.asarray(ids[-k:], dtype=np.int32))   # the tail read again; the core keeps its logits
         ans = "".join(s.generate(None, max_tokens=12, temperature=0.0, stop=["\n"]))
         res = np.where(s.pager.chunk_table()["block"] >= 0)[0].tolist()
         print(f"keep {keep or '-'}: resident {res} -> {ans!r} {'ok' if score(ans, tr.value) else 'miss'}")
-        s.runtime.truncate(len(ids))
-        s._tokens = list(ids)
+        s.runtime.truncate(len(ids))   # the history follows the cache
 
 
 if __name__ == "__main__":

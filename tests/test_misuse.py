@@ -242,11 +242,12 @@ def test_ctrl_c_after_prefill_eval_leaves_history_and_cache_agreeing(small):
     s = _session(small)
     s.prefill(_ids(100))
     before = s.tokens
-    rt = s.runtime
-    s.runtime = _InterruptAfter(rt, "eval")
+
+    def ctrl_c_once_evaluated(p):   # the last piece is in; the core has not settled the prompt yet
+        if p.done == p.total and not p.finished:
+            raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        s.prefill(_ids(700, 1))
-    s.runtime = rt
+        s.prefill(_ids(700, 1), progress=ctrl_c_once_evaluated)
     _consistent(s)
     assert s.tokens == before  # the interrupted prompt is not half there
     s.prefill(_ids(700, 1))    # a retry adds it once
@@ -259,7 +260,7 @@ def test_ctrl_c_during_generate_leaves_history_and_cache_agreeing(small, n):
     s = _session(small)
     g = s.generate(_ids(50), max_tokens=20, ignore_eos=True)
     rt = s.runtime
-    s.runtime = _InterruptAfter(rt, "eval_sample", n)
+    s.runtime = _InterruptAfter(rt, "advance", n)
     with pytest.raises(KeyboardInterrupt):
         for _ in g:
             pass

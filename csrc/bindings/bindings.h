@@ -83,6 +83,7 @@ void bind_pager(py::module_ &m);
 void bind_model(py::module_ &m);
 RuntimeClass bind_runtime(py::module_ &m);
 void bind_scoring(RuntimeClass &cls);   // the scoring kernels, as Runtime methods
+void bind_session(RuntimeClass &cls);   // the core session's verbs, as Runtime methods
 void bind_gguf(py::module_ &m);         // gguf_metadata
 void bind_snapshot(py::module_ &m, RuntimeClass &cls);  // Snapshot, Runtime.save_snapshot
 

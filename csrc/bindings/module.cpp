@@ -112,6 +112,7 @@ PYBIND11_MODULE(_core, m) {
           "Dict: cuda (compiled in), cuda_devices, ggml_version, ggml_commit, devices (ggml's registered devices "
           "with memory), cpu_features (ggml-cpu's instruction sets).");
     m.attr("MAX_CONTEXT") = kMaxContext;
+    m.attr("MAX_DRAFT") = kMaxDraft;
     m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,
                             py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of, int32_t n_chunks,
                             int32_t spread, int32_t carry) {
@@ -255,6 +256,7 @@ PYBIND11_MODULE(_core, m) {
     bind_model(m);
     RuntimeClass rt = bind_runtime(m);
     bind_scoring(rt);
+    bind_session(rt);
     bind_gguf(m);
     bind_snapshot(m, rt);
 }

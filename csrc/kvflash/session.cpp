@@ -122,6 +122,20 @@ void Session::set_schedule(int32_t tau, int32_t reeval_tokens) {
     cfg_ = c;
 }
 
+void Session::configure(const SessionConfig &c) {
+    SessionConfig next = c;
+    next.runtime = cfg_.runtime;
+    next.validate();
+    if (next.scorer == Scorer::Peak) {
+        if (next.peak.n_layers < 0) next.peak.n_layers = qk_auto_layers(rt_->pool().n_layers());
+        if (rt_->config().capture_queries < peak_capture(next.peak))
+            throw std::invalid_argument("the qk scorer reads " + std::to_string(peak_capture(next.peak)) +
+                                        " captured queries; this runtime captures " +
+                                        std::to_string(rt_->config().capture_queries));
+    }
+    cfg_ = next;
+}
+
 void Session::told_rewind() {
     if (rewind_fn_) rewind_fn_(int64_t(tokens_.size()));
 }

@@ -114,6 +114,12 @@ public:
     void set_rewind_hook(RewindFn f) { rewind_fn_ = std::move(f); }
     // Change the schedule's settings (a restored snapshot keeps this session's own).
     void set_schedule(int32_t tau, int32_t reeval_tokens);
+    // Everything in c but c.runtime (the runtime stays as built): scorer, schedule, exact mode.
+    // std::invalid_argument when the runtime captures fewer queries than the scorer reads.
+    void configure(const SessionConfig &c);
+    // After a prompt's eval that did not go through prefill (a restored prefill shared across
+    // policies): the settling rescore and re-read prefill does.  ids: the prompt's tail.
+    void settle_prompt(const int32_t *ids, int32_t n);
 
     // ---- the verbs
     // Appends a prompt at n_past and settles it (a scored session whose prompt outgrew the pool
@@ -158,7 +164,6 @@ public:
 
 private:
     int32_t prefill_(const int32_t *ids, int32_t n, const ProgressFn &progress);
-    void settle_prompt(const int32_t *ids, int32_t n);
     void maybe_rescore();
     void rewind_to(int64_t n, std::vector<float> logits, int64_t since, const std::vector<float> *queries,
                    int32_t n_queries);

@@ -147,7 +147,7 @@ def _snapshot_app(snap, path) -> dict:
     return app
 
 
-MAX_DRAFT = 16   # drafts per exact-mode round, at most
+MAX_DRAFT = _core.MAX_DRAFT   # drafts per exact-mode round, at most (the core's kMaxDraft)
 
 
 def _rpc_args(rpc, tensor_split):
@@ -177,66 +177,16 @@ def _rpc_args(rpc, tensor_split):
     return rpc, split
 
 
-class _SpecStats:
-    """Exact mode's counters, and the draft length chosen from them.  A round of k drafts keeps
-    (1 - a^(k+1)) / (1 - a) tokens on average (a: the per-draft acceptance) and costs
-    k * t_draft + t_fixed + (k + 1) * t_token: drafts, then a verification pass whose cost has a
-    part paid once (weights and the context's K/V read) and a part per token (on the CPU a batch's
-    products cost about in proportion to its tokens).  t_fixed and t_token come from a least-squares
-    line through the recent passes (the first rounds alternate 2 and 8 drafts to have two lengths);
-    k = 0, no drafts, is a verification pass of the pending token alone: the full cache's own step,
-    chosen when drafting does not pay.  All moving averages over the last rounds."""
-
-    def __init__(self):
-        self.rounds = self.drafted = self.kept = 0
-        self.draft_ms = self.verify_ms = 0.0
-        self._a, self._td = 0.8, None
-        self._passes: list = []   # (tokens verified, ms) of the recent rounds
-
-    def add(self, r: dict) -> None:
-        self.rounds += 1
-        self.drafted += r["n_draft"]
-        self.kept += r["n_kept"]
-        self.draft_ms += r["draft_ms"]
-        self.verify_ms += r["verify_ms"]
-        w = 0.25
-        if r["n_draft"] > 0:
-            self._a = (1 - w) * self._a + w * (r["n_kept"] / r["n_draft"])
-            td = r["draft_ms"] / r["n_draft"]
-            self._td = td if self._td is None else (1 - w) * self._td + w * td
-        self._passes = (self._passes + [(r["n_draft"] + 1, r["verify_ms"])])[-24:]
-
-    def _verify_line(self):
-        """(t_fixed, t_token) of the recent verification passes, or None with fewer than two lengths."""
-        m = len(self._passes)
-        if len({p[0] for p in self._passes}) < 2:
-            return None
-        sn = sum(p[0] for p in self._passes)
-        st = sum(p[1] for p in self._passes)
-        snn = sum(p[0] * p[0] for p in self._passes)
-        snt = sum(p[0] * p[1] for p in self._passes)
-        b = (m * snt - sn * st) / (m * snn - sn * sn)
-        f = (st - b * sn) / m
-        return max(f, 0.0), max(b, 1e-6)
-
-    def choose_k(self) -> int:
-        line = self._verify_line() if self._td is not None else None
-        if line is None:   # explore: two draft lengths, so the pass's fixed and per-token parts separate
-            return 8 if self.rounds % 2 else 2
-        f, b = line
-        a = min(max(self._a, 0.0), 0.98)
-        return max(range(0, MAX_DRAFT + 1),
-                   key=lambda k: ((1 - a ** (k + 1)) / (1 - a)) / (k * self._td + f + (k + 1) * b))
-
-    def stats(self, decode_s: float) -> dict:
-        return {
-            "exact_rounds": self.rounds,
-            "exact_drafted": self.drafted,
-            "exact_kept": self.kept,
-            "acceptance_rate": self.kept / self.drafted if self.drafted else 0.0,
-            "mean_kept_per_round": self.kept / self.rounds if self.rounds else 0.0,
-            "verify_share": (self.verify_ms / 1e3) / decode_s if decode_s > 0 else 0.0,
-        }
+def _spec_stats(r: dict, decode_s: float) -> dict:
+    """Exact mode's figures from the core's counters (``Runtime.spec_stats``; the draft length is chosen there)."""
+    return {
+        "exact_rounds": r["rounds"],
+        "exact_drafted": r["drafted"],
+        "exact_kept": r["kept"],
+        "acceptance_rate": r["kept"] / r["drafted"] if r["drafted"] else 0.0,
+        "mean_kept_per_round": r["kept"] / r["rounds"] if r["rounds"] else 0.0,
+        "verify_share": (r["verify_ms"] / 1e3) / decode_s if decode_s > 0 else 0.0,
+    }
 
 
 def _policy_spec(policy) -> dict:
@@ -405,13 +355,8 @@ class Session:
         # paged-out rows read from the host store), so every chunk's K/V are the full cache's; decode then
         # reads the pool as usual.  Implied by exact mode; nothing to do for the full cache.
         self.exact_prefill = (exact_prefill or exact) and self.kvflash
-        self._spec = _SpecStats()
-        self._tokens: list[int] = []
-        self._last_logits: Optional[np.ndarray] = None
-        self._since_rescore = 0
-        self._rescores = 0
-        self._rescore_s = 0.0
-        self.last_scores: Optional[np.ndarray] = None  # the chunk scores of the last rescore (a copy)
+        # The schedule, the scorer and exact mode live in the core session (csrc/kvflash/session.h).
+        self._configure_core()
         self._prefill_s = 0.0
         self._decode_s = 0.0
         self._decoded = 0
@@ -471,6 +416,40 @@ class Session:
         return policy
 
     @property
+    def policy(self) -> Policy:
+        """The policy that scores the chunks; assigning another one reconfigures the core's scorer."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        if getattr(self, "runtime", None) is not None:
+            self._configure_core()
+
+    def _configure_core(self) -> None:
+        rt = self.runtime
+        rt.set_scorer(None)
+        rt.configure(**self._core_scorer(), tau=self.tau, reeval_tokens=self.reeval_tokens, exact=self.exact,
+                     exact_draft=-1 if self.exact_draft is None else self.exact_draft,
+                     exact_prefill=self.exact_prefill)
+        rewind = getattr(self.policy, "rewind", None)
+        # a policy with a history of its own (the drafter's cache) hears of cuts
+        rt.set_rewind_hook(rewind if callable(rewind) else None)
+
+    def _core_scorer(self) -> dict:
+        """How the core scores chunks for this policy: lru scores nothing; qk's peak scoring runs in the
+        core; every other policy (the drafter, qk's other aggregates, user objects) through the callback."""
+        from . import scoring
+        if isinstance(self.policy, LRUPolicy):
+            return dict(scorer="none")
+        p = self.policy
+        if type(p) is scoring.QKPolicy and p.mode == "keys" and p.aggregate == "peak":
+            return dict(scorer="peak", qk=dict(n_queries=p.n_queries, contrast=p.contrast, spread=p.spread,
+                                               n_layers=p.n_layers(self.runtime.n_paged_layers), carry=p.carry))
+        self.runtime.set_scorer(self._policy_scores)
+        return dict(scorer="external")
+
+    @property
     def banner(self) -> str:
         mode = (" [exact: drafts over the pool, verified over the whole context]" if self.exact
                 else " [exact prefill: prompts attend the whole context]" if self.exact_prefill
@@ -525,11 +504,16 @@ class Session:
     @property
     def tokens(self) -> list[int]:
         """The token history held in the cache."""
-        return list(self._tokens)
+        return self.runtime.tokens.tolist()
 
     @property
     def n_past(self) -> int:
         return self.runtime.n_past
+
+    @property
+    def _last_logits(self) -> Optional[np.ndarray]:
+        """The logits after the last evaluated token (None before any), as the core session keeps them."""
+        return self.runtime.last_logits() if self.runtime.has_logits else None
 
     # ------------------------------------------------------------------ evaluation
     def _check_text_ids(self, ids: list[int]) -> list[int]:
@@ -571,123 +555,75 @@ class Session:
         if progress is not None and not callable(progress):
             raise TypeError("progress must be a callable taking a PrefillProgress, or None")
         with self._using("prefill"):
-            ids = self._as_ids(text_or_ids, first=not self._tokens)
+            ids = self._as_ids(text_or_ids, first=self.runtime.n_past == 0)
             if not ids:
                 return 0
-            if self.runtime.n_past + len(ids) > self.max_ctx:
-                raise ValueError(f"prompt of {len(ids)} tokens on top of {self.runtime.n_past} in context exceeds "
-                                 f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
-            n0, logits0, since0 = len(self._tokens), self._last_logits, self._since_rescore
-            # the policy's capture window: the prompt's eval replaces it, a rewind puts it back
-            queries0 = self.runtime.captured_queries() if self._scored() else None
-            try:
-                return self._prefill(ids, progress)
-            except BaseException:
-                self._rewind(n0, logits0, since0, queries0)
-                raise
+            self._check_fits(len(ids), self.runtime.n_past)
+            self._eval_prompt(ids, progress, self.runtime.prefill)
+            return len(ids)
 
-    def _rewind(self, n: int, last_logits, since_rescore: int, queries=None) -> None:
-        """Put the context back to its first n tokens after a failed call (queries: the
-        capture window it had there)."""
-        del self._tokens[n:]
-        try:
-            if self.runtime.n_past > n:
-                self.runtime.truncate(n)
-                if queries is not None:
-                    self.runtime.set_captured_queries(queries)
-            self._last_logits, self._since_rescore = last_logits, since_rescore
-        except ValueError:  # the sliding-window ring cannot rewind that far
-            self._reset()
-        if self.runtime.n_past != len(self._tokens):  # cannot happen; never leave them apart
-            self._reset()
-        self._policy_rewind()
+    def _check_fits(self, n: int, n_past: int) -> None:
+        if n_past + n > self.max_ctx:
+            raise ValueError(f"prompt of {n} tokens on top of {n_past} in context exceeds "
+                             f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
 
-    def _policy_rewind(self) -> None:
-        """Tell the policy the history was cut back (to len(self._tokens)), if it keeps one of its own."""
-        rewind = getattr(self.policy, "rewind", None)
-        if callable(rewind):
-            rewind(len(self._tokens))
-
-    def _prefill(self, ids: list[int], progress=None) -> int:
+    def _eval_prompt(self, ids: list[int], progress, verb):
+        """A prompt through the core (verb: runtime.prefill or runtime.continue_to), timed, with progress."""
         t0 = time.perf_counter()
+        outs0 = self.pager.stats["page_outs"]
         hook = None
         if progress is not None:
-            outs0 = self.pager.stats["page_outs"]
-
             def hook(done, total, page_outs):
                 progress(PrefillProgress(done, total, time.perf_counter() - t0, page_outs - outs0, False))
-        self._last_logits = self.runtime.eval(np.asarray(ids, dtype=np.int32), exact=self.exact_prefill,
-                                              progress=hook)
-        self._prefill_s += time.perf_counter() - t0
-        self._tokens.extend(ids)
-        self._settle_prompt(ids)
+        try:
+            out = verb(np.asarray(ids, dtype=np.int32), progress=hook)
+        finally:
+            self._prefill_s += time.perf_counter() - t0
         if progress is not None:
-            progress(PrefillProgress(len(ids), len(ids), time.perf_counter() - t0,
-                                     self.pager.stats["page_outs"] - outs0, True))
-        return len(ids)
+            n = len(ids) if verb == self.runtime.prefill else len(ids) - out
+            progress(PrefillProgress(n, n, time.perf_counter() - t0, self.pager.stats["page_outs"] - outs0, True))
+        return out
 
     def _settle_prompt(self, ids: list[int]) -> None:
-        """After a prompt's eval: a scored policy whose prompt outgrew the pool picks the residents now.
-        (The bench's ruler routine calls this on a restored prefill to share one prefill across policies.)"""
-        if self._scored() and self.pager.stats["host_chunks"] > 0:
-            # The prompt outgrew the pool: let the policy pick the residents against the
-            # prompt's tail now (the question usually sits there), then re-read the last
-            # token so the first generated token already attends to the chosen chunks.
-            self._since_rescore = 0
-            # (exact mode and exact prefill: the prompt's K/V are already the full cache's; a re-read over
-            # the pool would only make them approximate)
-            if self.rescore() > 0 and not self.exact_prefill:
-                # Re-read the prompt's last tokens (the question, typically) so they, not only the
-                # final token, see the recalled chunks in every layer.
-                k = max(1, min(len(ids), self.reeval_tokens))
-                self.runtime.truncate(self.runtime.n_past - k)
-                self._last_logits = self.runtime.eval(np.asarray(ids[-k:], dtype=np.int32))
+        """After a prompt's eval outside prefill (the bench's ruler routine calls this on a restored prefill
+        to share one prefill across policies): the settling rescore prefill runs."""
+        self.runtime.settle_prompt(np.asarray(ids, dtype=np.int32))
+
+    @property
+    def _rescore_s(self) -> float:
+        return self.runtime.rescore_ms / 1e3
 
     def _scored(self) -> bool:
         return self.kvflash and not isinstance(self.policy, LRUPolicy)
 
     def logits(self) -> np.ndarray:
         """Logits after the last evaluated token (float32 [n_vocab])."""
-        if self._last_logits is None:
+        if not self.runtime.has_logits:
             raise ValueError("no token evaluated yet: prefill a prompt first")
-        return self._last_logits.copy()
-
-    def _maybe_rescore(self) -> None:
-        if not self._scored():
-            return
-        period = max(self.tau, len(self._tokens) // 45)
-        if self._since_rescore < period:
-            return
-        self._since_rescore = 0
-        self.rescore()
+        return self.runtime.last_logits()
 
     def chunk_view(self) -> ChunkView:
         """What a policy sees now: the chunk table, the token history and this session."""
         n = -(-self.runtime.n_past // self.chunk_tokens)
         table = self.pager.chunk_table()
         return ChunkView(n_chunks=n, chunk_tokens=self.chunk_tokens, n_past=self.runtime.n_past,
-                         tokens=np.asarray(self._tokens, dtype=np.int32), resident=table["block"][:n] >= 0,
+                         tokens=self.runtime.tokens, resident=table["block"][:n] >= 0,
                          protected=table["protected"][:n], pool_chunks=self.pager.n_blocks, session=self)
+
+    def _policy_scores(self, n: int):
+        """The core's external scorer: the Python policy's scores for n chunks, checked (None: nothing moves)."""
+        scores = self.policy.score(self.chunk_view())
+        return None if scores is None else validate_scores(scores, n, self.policy.name)
+
+    @property
+    def last_scores(self) -> Optional[np.ndarray]:
+        """The chunk scores of the last rescore (a copy), or None."""
+        return self.runtime.last_scores
 
     def rescore(self) -> int:
         """Ask the policy for chunk scores now and repage the pool; returns chunks moved."""
         with self._using("rescore", from_iterator=self._open_iterator()):
-            return self._rescore()
-
-    def _rescore(self) -> int:
-        n = -(-self.runtime.n_past // self.chunk_tokens)
-        if n == 0:
-            return 0
-        t0 = time.perf_counter()
-        scores = self.policy.score(self.chunk_view())
-        moved = 0
-        if scores is not None:
-            scores = validate_scores(scores, n, self.policy.name)
-            self.last_scores = np.array(scores, dtype=np.float32, copy=True)
-            moved = self.pager.reselect(scores)
-        self._rescores += 1
-        self._rescore_s += time.perf_counter() - t0
-        return moved
+            return self.runtime.rescore()
 
     def generate(self, prompt: Union[str, Sequence[int], None] = None, *, max_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -716,101 +652,38 @@ class Session:
         with self._using("generate"):
             if prompt is not None:
                 self.prefill(prompt, progress=progress)
-            if self._last_logits is None:
+            if not self.runtime.has_logits:
                 raise ValueError("nothing to continue from: pass a prompt or prefill() first")
             gen = self._generate(max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed)
             self._open_gen = weakref.ref(gen)
             self.finish_reason = None
             return gen
 
-    def _step(self, tok: int, sampling: tuple) -> int:
-        """Evaluate tok and sample the next one; the history gains tok exactly when the cache does."""
-        rt = self.runtime
-        try:
-            temperature, top_k, top_p, min_p = sampling
-            nxt = rt.eval_sample(np.asarray([tok], dtype=np.int32), temperature, top_k, top_p, min_p)
-        finally:
-            # eval_sample may have evaluated tok and then raised (the sampler refuses NaN
-            # logits), and Ctrl-C may land just after it returned: the cache decides.
-            if rt.n_past == len(self._tokens) + 1:
-                self._tokens.append(tok)
-                self._since_rescore += 1
-        return nxt
-
-    def _round(self, tok: int, sampling: tuple, ahead: list, budget: int, eot: set) -> int:
-        """Exact mode: one speculative round from the pending tok.  The cache then holds tok and the
-        kept drafts; tok enters the history, the drafts wait in ``ahead`` (in the cache, not yet
-        consumed by the generate loop).  Returns the token after tok."""
-        rt = self.runtime
-        self._maybe_rescore()   # at a round's start nothing is ahead: the pool drafting reads is chosen here
-        n0 = len(self._tokens)
-        cap = min(budget - 1, self.max_ctx - n0 - 1, MAX_DRAFT, rt.max_rewind)
-        k = max(0, min(cap, self.exact_draft if self.exact_draft is not None else self._spec.choose_k()))
-        r = None
-        try:
-            r = rt.spec_round(int(tok), int(k), *sampling, stop_ids=sorted(eot))
-        finally:
-            if r is None and rt.n_past > n0:   # a Ctrl-C after the round returned: drop the round
-                rt.truncate(n0)
-        acc = r["accepted"]
-        self._tokens.append(tok)
-        self._since_rescore += len(acc)
-        self._spec.add(r)
-        ahead[:] = acc[1:]
-        self._round_base = n0
-        self._round_next = r["next"]
-        return ahead[0] if ahead else r["next"]
-
-    def _advance(self, tok: int, sampling: tuple, ahead: list, budget: int, eot: set) -> int:
-        """tok enters the history; returns the token after it."""
-        if not self.exact:
-            nxt = self._step(tok, sampling)
-            self._maybe_rescore()
-            return nxt
-        if ahead:   # tok was kept by the last round and is in the cache already
-            self._tokens.append(ahead.pop(0))
-            return ahead[0] if ahead else self._round_next
-        return self._round(tok, sampling, ahead, budget, eot)
-
-    def _settle_round(self, ahead: list) -> None:
-        """Exact mode, at a generation's end: drafts the loop did not consume leave the cache
-        (the last logits become the verified row after the last consumed token)."""
-        n = len(self._tokens)
-        self._last_logits = self.runtime.round_logits(n - 1 - self._round_base).copy()
-        self._tokens.extend(ahead)
-        ahead.clear()
-        if self._scored():
-            self._truncate(n)   # reads the last token again with one-token arithmetic, as truncate() does
-        else:
-            self.runtime.truncate(n)
-            del self._tokens[n:]
-            self._policy_rewind()
-
     def _generate(self, max_tokens, temperature, top_k, top_p, min_p, stops, ignore_eos, seed):
         rt = self.runtime
         me = self._open_iterator()
         sampling = (temperature, top_k, top_p, min_p)
         eot = set() if ignore_eos else set(self.tokenizer.eot_ids)
-        ahead: list[int] = []   # exact mode: tokens a round kept that the loop has not consumed yet
+        stop_ids = sorted(eot)
         dec = StreamDecoder(self.tokenizer, strip_leading_space=False)
         held = ""  # text withheld while it could still be the start of a stop string
         t0 = time.perf_counter()
-        n_start = len(self._tokens)
+        n_start = rt.n_past
         reason = None
         try:
             with self._using("generate", from_iterator=me):
                 if seed is not None:
                     rt.seed(int(seed))
-                tok = rt.sample(self._last_logits, *sampling)
+                tok = rt.sample_last(*sampling)
             for i in range(max_tokens):
                 if tok in eot:
                     reason = "eos"
                     break
-                if len(self._tokens) >= self.max_ctx:
+                if rt.n_past >= self.max_ctx:
                     reason = "max_ctx"
                     break
                 with self._using("generate", from_iterator=me):
-                    nxt = self._advance(tok, sampling, ahead, max_tokens - i, eot)
+                    nxt = rt.advance(int(tok), *sampling, budget=max_tokens - i, stop_ids=stop_ids)
                 piece = dec.push(tok)
                 tok = nxt
                 if not stops:
@@ -847,12 +720,10 @@ class Session:
             reason = "error"
             raise
         finally:
-            if ahead:
+            if self.exact:   # drafts the loop did not take leave the cache
                 with self._using("generate", from_iterator=me):
-                    self._settle_round(ahead)
-            elif len(self._tokens) > n_start:
-                self._last_logits = rt.last_logits().copy()
-            produced = len(self._tokens) - n_start
+                    rt.settle()
+            produced = rt.n_past - n_start
             self._decode_s += time.perf_counter() - t0
             self._decoded += max(produced, 0)
             self.finish_reason = reason
@@ -872,38 +743,20 @@ class Session:
         with self._using("chat"):
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
-            self._check_text_ids(ids)   # before the cached reply is cut away for it
-            common = 0
-            for a, b in zip(self._tokens, ids):
-                if a != b:
-                    break
-                common += 1
-            if common == len(ids):
-                common -= 1  # re-evaluate the last token to get fresh logits
-            common = max(common, 0)
-            if common < len(self._tokens):
-                # Cutting drops the captured queries past the cut: re-read enough of the kept
-                # prefix that the prompt's eval captures a whole window (scored policies; exact
-                # mode cuts where the full cache cuts, so its cache keeps the full cache's bits).
-                cuts = [common]
-                if self._scored() and not self.exact and len(ids) - common < self._n_capture:
-                    cuts.insert(0, max(0, len(ids) - self._n_capture))
-                try:
-                    for cut in cuts:
-                        try:
-                            self.runtime.truncate(cut)
-                        except ValueError:   # the sliding-window ring does not reach back to cut
-                            continue
-                        common = cut
-                        break
-                    else:
-                        self._reset()
-                        common = 0
-                finally:
-                    del self._tokens[self.runtime.n_past:]   # the history follows the cache
-                    self._policy_rewind()
-            self.prefill(ids[common:], progress=progress)
+            self.continue_to(ids, progress=progress)
             return self.generate(None, **kw)
+
+    def continue_to(self, ids: Sequence[int], *, progress: Optional[Callable] = None) -> int:
+        """Make the context ``ids``: the longest common prefix with what the cache holds is kept (at
+        least the last token is read again, for fresh logits), the rest cut, the new part prefilled
+        as ``prefill`` does (all or nothing from the cut).  Returns the tokens reused."""
+        with self._using("continue_to"):
+            self._check_text_ids(list(ids))   # before the cached reply is cut away for it
+            ids = self._as_ids(ids, first=True)
+            if not ids:
+                raise ValueError("continue_to: no tokens")
+            self._check_fits(len(ids), 0)
+            return self._eval_prompt(ids, progress, self.runtime.continue_to)
 
     def truncate(self, n_tokens: int) -> None:
         """Rewind the context to its first n_tokens (0: reset).  The last kept tokens are read
@@ -912,37 +765,10 @@ class Session:
         whole again, as in a session that only ever held these tokens.  ValueError when
         gemma3's sliding-window ring no longer reaches that far back (reset and prefill instead)."""
         with self._using("truncate"):
-            if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= len(self._tokens):
-                raise ValueError(f"truncate: n_tokens must be an integer in [0, {len(self._tokens)}], got {n_tokens!r}")
-            self._truncate(n_tokens)
-
-    def _truncate(self, n_tokens: int) -> None:
-        if n_tokens == 0:
-            self._reset()
-            return
-        if n_tokens == len(self._tokens):
-            return
-        # A scored policy's capture window is read again; exact mode reads back only the last token,
-        # as the full cache does (one-token arithmetic: the cache keeps the full cache's bits), and
-        # keeps the window's earlier queries that survive the cut.
-        k = min(n_tokens, self._n_capture) if self._scored() and not self.exact else 1
-        try:
-            try:
-                self.runtime.truncate(n_tokens - k)  # ValueError (ring) before anything changed
-            except ValueError:
-                if k == 1:
-                    raise
-                k = 1   # the ring reaches back to the last token only: a shorter capture window then
-                self.runtime.truncate(n_tokens - k)
-            self._last_logits = None
-            self._last_logits = self.runtime.eval(np.asarray(self._tokens[n_tokens - k:n_tokens], dtype=np.int32),
-                                                  exact=self.exact_prefill)
-        finally:
-            # The cache holds a prefix of the history whatever happened (a Ctrl-C included):
-            # the history follows it.  After a failed re-read that is n_tokens - k tokens,
-            # without logits; prefill continues it.
-            del self._tokens[self.runtime.n_past:]
-            self._policy_rewind()
+            n = self.runtime.n_past
+            if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= n:
+                raise ValueError(f"truncate: n_tokens must be an integer in [0, {n}], got {n_tokens!r}")
+            self.runtime.rewind(n_tokens)
 
     def _bos_text(self) -> str:
         bos = self.tokenizer.bos_id
@@ -955,12 +781,9 @@ class Session:
 
     def _reset(self) -> None:
         self.runtime.reset()
-        self._tokens.clear()
-        self._last_logits = None
-        self._since_rescore = 0
-        self.last_scores = None
         if hasattr(self.policy, "reset"):
             self.policy.reset()
+
 
     # ------------------------------------------------------------------ snapshots
     def save(self, path: Union[str, os.PathLike]) -> None:
@@ -976,9 +799,9 @@ class Session:
         with self._using("save"):
             app = {"kvflash_session": SNAPSHOT_APP_VERSION, "model": str(self.model_path), "config": self._config,
                    "policy": _policy_spec(self.policy),
-                   "state": {"since_rescore": self._since_rescore, "rescores": self._rescores,
+                   "state": {"since_rescore": self.runtime.since_rescore, "rescores": self.runtime.rescores,
                              "last_scores": None if self.last_scores is None else [float(x) for x in self.last_scores]}}
-            self.runtime.save_snapshot(os.fspath(path), np.asarray(self._tokens, dtype=np.int32), self._last_logits,
+            self.runtime.save_snapshot(os.fspath(path), self.runtime.tokens, self._last_logits,
                                        json.dumps(app).encode())
 
     def restore(self, path: Union[str, os.PathLike]) -> None:
@@ -1023,14 +846,10 @@ class Session:
             raise _core.SnapshotError(f"snapshot does not fit this session: the policy differs (the file has "
                                       f"{want!r}, this session {self.policy.name!r})")
         st = app["state"]
-        tokens = [int(t) for t in snap.tokens]
-        logits = snap.logits
         last_scores = None if st["last_scores"] is None else np.asarray(st["last_scores"], dtype=np.float32)
         since, rescores = int(st["since_rescore"]), int(st["rescores"])
-        snap.apply(self.runtime)   # checks everything, then replaces the native state (or raises, nothing changed)
-        self._tokens = tokens
-        self._last_logits = None if logits is None else np.array(logits, dtype=np.float32)
-        self._since_rescore, self._rescores, self.last_scores = since, rescores, last_scores
+        snap.apply(self.runtime)   # checks everything, then replaces the native state, history and logits
+        self.runtime.restore_state(since, rescores, last_scores)
         self.finish_reason = None
         if hasattr(self.policy, "reset"):
             self.policy.reset()    # the drafter re-feeds the history at its next rescore
@@ -1057,12 +876,12 @@ class Session:
             "clean_skips": p["clean_skips"],
             "bytes_out": p["bytes_out"],
             "bytes_in": p["bytes_in"],
-            "rescores": self._rescores,
+            "rescores": self.runtime.rescores,
             "rescore_ms": 1e3 * self._rescore_s,
             "prefill_s": self._prefill_s,
             "decode_tok_s": self._decoded / self._decode_s if self._decode_s > 0 else 0.0,
             "threads": self.threads,
             "kv_type": self.kv_type,
-            **(self._spec.stats(self._decode_s) if self.exact else {}),
+            **(_spec_stats(self.runtime.spec_stats, self._decode_s) if self.exact else {}),
             **({"rpc": [dict(r) for r in self.remote_layers]} if self.remote_layers else {}),
         }

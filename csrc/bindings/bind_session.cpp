@@ -1,0 +1,214 @@
+// The core session's verbs on kvflash._core.Runtime (csrc/kvflash/session.h): what
+// kvflash.Session calls instead of keeping the logic in Python.
+#include <stdexcept>
+
+#include "bindings.h"
+
+namespace kvflash::bindings {
+
+namespace {
+
+// Calls a Python callable from a core callback, the GIL taken.  A Python error already pending
+// (a Ctrl-C the interrupt hook saw, on its way out) is set aside for the call and put back.  The
+// runtime's InUse flag is lent to the callback (a policy reads the runtime it scores: the
+// pager's table, the scoring kernels) and taken back after; the Python Session's own lock still
+// keeps other threads out.
+template <class F> void call_python(std::atomic<bool> *busy, F f) {
+    py::gil_scoped_acquire gil;
+    const bool held = busy->exchange(false);
+    struct Retake {
+        std::atomic<bool> *b;
+        bool held;
+        ~Retake() { b->store(held); }
+    } retake{busy, held};
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    PyErr_Fetch(&type, &value, &tb);
+    struct Restore {
+        PyObject *t, *v, *b;
+        ~Restore() {
+            if (t) PyErr_Restore(t, v, b);
+        }
+    } restore{type, value, tb};
+    f();
+}
+
+py::array_t<float> logits_array(const Session &s) {
+    const std::vector<float> &l = s.logits();
+    return py::array_t<float>(py::ssize_t(l.size()), l.data());
+}
+
+// Runs f with the GIL released; a Ctrl-C seen between pieces comes back as KeyboardInterrupt.
+template <class F> auto nogil(F f) {
+    try {
+        py::gil_scoped_release release;
+        return f();
+    } catch (const EvalInterrupted &) {
+        throw py::error_already_set();
+    }
+}
+
+Session::ProgressFn progress_fn(PyRuntime &r, const py::object &progress) {
+    if (progress.is_none()) return {};
+    if (!PyCallable_Check(progress.ptr()))
+        throw std::invalid_argument("progress must be a callable (done, total, page_outs) or None");
+    return [&r, progress](int32_t done, int32_t total) {
+        const int64_t outs = r.rt->pager().stats().page_outs;
+        py::gil_scoped_acquire gil;
+        progress(done, total, outs);   // what it raises ends the call, all or nothing
+    };
+}
+
+}  // namespace
+
+void bind_session(RuntimeClass &cls) {
+    cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
+                            bool exact, int32_t exact_draft, bool exact_prefill) {
+                 InUse use(&r.busy);
+                 SessionConfig c = r.session->config();
+                 if (scorer == "none") c.scorer = Scorer::None;
+                 else if (scorer == "peak") c.scorer = Scorer::Peak;
+                 else if (scorer == "external") c.scorer = Scorer::External;
+                 else throw std::invalid_argument("scorer must be 'none', 'peak' or 'external', got '" + scorer + "'");
+                 PeakScoring p;
+                 for (auto item : qk) {
+                     const std::string k = py::str(item.first);
+                     const int32_t v = item.second.cast<int32_t>();
+                     if (k == "n_queries") p.n_queries = v;
+                     else if (k == "contrast") p.contrast = v;
+                     else if (k == "spread") p.spread = v;
+                     else if (k == "n_layers") p.n_layers = v;
+                     else if (k == "carry") p.carry = v;
+                     else throw std::invalid_argument("qk settings are n_queries, contrast, spread, n_layers, carry; got '" + k + "'");
+                 }
+                 c.peak = p;
+                 c.tau = tau;
+                 c.reeval_tokens = reeval_tokens;
+                 c.exact = exact;
+                 c.exact_draft = exact_draft;
+                 c.exact_prefill = exact_prefill;
+                 r.session->configure(c);
+             }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
+             py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
+             py::arg("exact_prefill") = false,
+             "The session's scorer ('none': lru; 'peak': qk's peak scoring in the core with the qk settings; "
+             "'external': the callable given to set_scorer), its rescore schedule and exact mode.")
+        .def("set_scorer", [](PyRuntime &r, py::object fn) {
+                 InUse use(&r.busy);
+                 if (fn.is_none()) {
+                     r.session->set_scorer({});
+                     return;
+                 }
+                 if (!PyCallable_Check(fn.ptr())) throw std::invalid_argument("set_scorer: a callable(n_chunks) or None");
+                 std::atomic<bool> *busy = &r.busy;
+                 r.session->set_scorer([fn, busy](int32_t n, std::vector<float> &out) {
+                     bool have = false;
+                     call_python(busy, [&] {
+                         py::object got = fn(n);
+                         if (got.is_none()) return;
+                         auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(got);
+                         if (!a || a.ndim() != 1)
+                             throw std::invalid_argument("the scorer must return a 1-D float array or None");
+                         out.assign(a.data(), a.data() + a.shape(0));
+                         have = true;
+                     });
+                     return have;
+                 });
+             }, py::arg("fn"),
+             "The external scorer: fn(n_chunks) -> one score per chunk (float array) or None (nothing moves), "
+             "called with the GIL held when the schedule (or rescore()) asks.")
+        .def("set_rewind_hook", [](PyRuntime &r, py::object fn) {
+                 InUse use(&r.busy);
+                 if (fn.is_none()) {
+                     r.session->set_rewind_hook({});
+                     return;
+                 }
+                 std::atomic<bool> *busy = &r.busy;
+                 r.session->set_rewind_hook([fn, busy](int64_t n) { call_python(busy, [&] { fn(n); }); });
+             }, py::arg("fn"), "fn(n_tokens): told when the history was cut back (0: reset).")
+        .def_property_readonly("tokens", [](PyRuntime &r) {
+            const std::vector<int32_t> &t = r.session->tokens();
+            return py::array_t<int32_t>(py::ssize_t(t.size()), t.data());
+        }, "the token history the cache holds (a copy)")
+        .def_property_readonly("has_logits", [](PyRuntime &r) { return r.session->has_logits(); })
+        .def_property_readonly("rescores", [](PyRuntime &r) { return r.session->rescores(); })
+        .def_property_readonly("since_rescore", [](PyRuntime &r) { return r.session->since_rescore(); })
+        .def_property_readonly("rescore_ms", [](PyRuntime &r) { return r.session->rescore_ms(); })
+        .def_property_readonly("last_scores", [](PyRuntime &r) -> py::object {
+            const std::vector<float> &s = r.session->last_scores();
+            if (s.empty()) return py::none();
+            return py::array_t<float>(py::ssize_t(s.size()), s.data());
+        })
+        .def_property_readonly("spec_stats", [](PyRuntime &r) {
+            const SpecStats &s = r.session->spec();
+            py::dict d;
+            d["rounds"] = s.rounds; d["drafted"] = s.drafted; d["kept"] = s.kept;
+            d["draft_ms"] = s.draft_ms; d["verify_ms"] = s.verify_ms;
+            return d;
+        })
+        .def("prefill", [](PyRuntime &r, py::array ids, py::object progress) {
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(ids);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("prefill: too many tokens in one call");
+                 const Session::ProgressFn fn = progress_fn(r, progress);
+                 nogil([&] { return r.session->prefill(t.data(), int32_t(t.size()), fn); });
+                 return logits_array(*r.session);
+             }, py::arg("ids"), py::arg("progress") = py::none(),
+             "Append a prompt and settle it (the rescore of a prompt that outgrew the pool, its tail read again); "
+             "all or nothing.  Returns the last logits.")
+        .def("continue_to", [](PyRuntime &r, py::array ids, py::object progress) {
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(ids);
+                 if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("continue_to: too many tokens in one call");
+                 const Session::ProgressFn fn = progress_fn(r, progress);
+                 return nogil([&] { return r.session->continue_to(t.data(), int32_t(t.size()), fn); });
+             }, py::arg("ids"), py::arg("progress") = py::none(),
+             "The history becomes ids: the longest common prefix kept, the rest cut, the new part prefilled.  "
+             "Returns the tokens reused.")
+        .def("settle_prompt", [](PyRuntime &r, py::array ids) {
+                 InUse use(&r.busy);
+                 const std::vector<int32_t> t = token_copy(ids);
+                 nogil([&] { r.session->settle_prompt(t.data(), int32_t(t.size())); return 0; });
+             }, py::arg("ids"))
+        .def("rewind", [](PyRuntime &r, int64_t n) {
+                 InUse use(&r.busy);
+                 nogil([&] { r.session->truncate(n); return 0; });
+             }, py::arg("n_tokens"),
+             "Cut the history to its first n_tokens (0: reset) and read the last kept ones again (a scored "
+             "session: its capture window), so decoding continues from fresh logits.")
+        .def("advance", [](PyRuntime &r, int32_t tok, float temperature, int32_t top_k, float top_p, float min_p,
+                           int64_t budget, std::vector<int32_t> stop_ids) {
+                 InUse use(&r.busy);
+                 const SamplerParams sp = sampling(temperature, top_k, top_p, min_p);
+                 return nogil([&] { return r.session->advance(tok, sp, budget, stop_ids); });
+             }, py::arg("tok"), py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f,
+             py::arg("min_p") = 0.f, py::arg("budget") = INT64_MAX, py::arg("stop_ids") = std::vector<int32_t>{},
+             "tok (sampled, not yet evaluated) enters the history; returns the token after it.  Rescores on the "
+             "schedule; exact mode drafts ahead (budget: tokens the caller may still take).")
+        .def("settle", [](PyRuntime &r) {
+                 InUse use(&r.busy);
+                 nogil([&] { r.session->settle(); return 0; });
+             }, "At a generation's end: exact-mode drafts not taken leave the cache.")
+        .def("rescore", [](PyRuntime &r) {
+                 InUse use(&r.busy);
+                 return nogil([&] { return r.session->rescore(); });
+             }, "Score the chunks now and repage the pool; returns chunks moved.")
+        .def("sample_last", [](PyRuntime &r, float temperature, int32_t top_k, float top_p, float min_p) {
+                 InUse use(&r.busy);
+                 return r.session->sample(sampling(temperature, top_k, top_p, min_p));
+             }, py::arg("temperature") = 0.f, py::arg("top_k") = 0, py::arg("top_p") = 1.f, py::arg("min_p") = 0.f,
+             "Sample from the last logits with the session's sampler.")
+        .def("restore_state", [](PyRuntime &r, int64_t since_rescore, int64_t rescores, py::object last_scores) {
+                 InUse use(&r.busy);
+                 std::vector<float> sc;
+                 if (!last_scores.is_none()) {
+                     auto a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(last_scores);
+                     if (!a || a.ndim() != 1) throw std::invalid_argument("last_scores must be a 1-D float array or None");
+                     sc.assign(a.data(), a.data() + a.shape(0));
+                 }
+                 const Session &s = *r.session;
+                 r.session->restore_state(s.tokens(), s.logits(), since_rescore, rescores, std::move(sc));
+             }, py::arg("since_rescore"), py::arg("rescores"), py::arg("last_scores") = py::none(),
+             "The schedule's counters after a snapshot was applied (the history and logits come with it).");
+}
+
+}  // namespace kvflash::bindings
