@@ -598,7 +598,7 @@ def test_ctrl_c_in_the_drafters_feed_during_prefill_keeps_its_history_with_the_s
     _drafter_agrees(s)
     pol = s.policy
     drt = pol._rt
-    pol._rt = _InterruptAfter(drt, "eval")
+    pol._rt = _InterruptAfter(drt, "continue_to")
     with pytest.raises(KeyboardInterrupt):
         s.prefill(_ids(300, 1))
     pol._rt = drt
@@ -620,7 +620,7 @@ def test_ctrl_c_in_the_drafters_feed_during_generate_keeps_its_history_with_the_
     s.prefill(_ids(700))
     pol = s.policy
     drt = pol._rt
-    pol._rt = _InterruptAfter(drt, "eval")   # the first decode-time rescore feeds the drafter
+    pol._rt = _InterruptAfter(drt, "continue_to")   # the first decode-time rescore feeds the drafter
     with pytest.raises(KeyboardInterrupt):
         for _ in s.generate(max_tokens=40, ignore_eos=True):
             pass

@@ -62,7 +62,7 @@ Session::ProgressFn progress_fn(PyRuntime &r, const py::object &progress) {
 
 void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
-                            bool exact, int32_t exact_draft, bool exact_prefill) {
+                            bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
@@ -86,12 +86,14 @@ void bind_session(RuntimeClass &cls) {
                  c.exact = exact;
                  c.exact_draft = exact_draft;
                  c.exact_prefill = exact_prefill;
+                 c.reread_capture = reread_capture;
                  r.session->configure(c);
              }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
-             py::arg("exact_prefill") = false,
+             py::arg("exact_prefill") = false, py::arg("reread_capture") = false,
              "The session's scorer ('none': lru; 'peak': qk's peak scoring in the core with the qk settings; "
-             "'external': the callable given to set_scorer), its rescore schedule and exact mode.")
+             "'external': the callable given to set_scorer), its rescore schedule and exact mode; reread_capture: "
+             "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime).")
         .def("set_scorer", [](PyRuntime &r, py::object fn) {
                  InUse use(&r.busy);
                  if (fn.is_none()) {
@@ -155,15 +157,15 @@ void bind_session(RuntimeClass &cls) {
              }, py::arg("ids"), py::arg("progress") = py::none(),
              "Append a prompt and settle it (the rescore of a prompt that outgrew the pool, its tail read again); "
              "all or nothing.  Returns the last logits.")
-        .def("continue_to", [](PyRuntime &r, py::array ids, py::object progress) {
+        .def("continue_to", [](PyRuntime &r, py::array ids, py::object progress, bool fresh_logits) {
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(ids);
                  if (t.size() > size_t(INT32_MAX)) throw std::invalid_argument("continue_to: too many tokens in one call");
                  const Session::ProgressFn fn = progress_fn(r, progress);
-                 return nogil([&] { return r.session->continue_to(t.data(), int32_t(t.size()), fn); });
-             }, py::arg("ids"), py::arg("progress") = py::none(),
+                 return nogil([&] { return r.session->continue_to(t.data(), int32_t(t.size()), fn, fresh_logits); });
+             }, py::arg("ids"), py::arg("progress") = py::none(), py::arg("fresh_logits") = true,
              "The history becomes ids: the longest common prefix kept, the rest cut, the new part prefilled.  "
-             "Returns the tokens reused.")
+             "Returns the tokens reused.  fresh_logits=False: ids equal to the history change nothing.")
         .def("settle_prompt", [](PyRuntime &r, py::array ids) {
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(ids);

@@ -260,11 +260,13 @@ void Session::rewind_to(int64_t n, std::vector<float> logits, int64_t since, con
     told_rewind();
 }
 
-int64_t Session::continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress) {
+int64_t Session::continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress, bool fresh_logits) {
     if (n <= 0 || !ids) throw std::invalid_argument("continue_to: ids must be non-NULL and n > 0");
+    settle();
     int64_t common = 0;
     const int64_t m = std::min<int64_t>(int64_t(tokens_.size()), n);
     while (common < m && tokens_[size_t(common)] == ids[common]) ++common;
+    if (common == n && int64_t(tokens_.size()) == n && !fresh_logits) return n;
     if (common == n) --common;   // read the last token again: fresh logits
     common = std::max<int64_t>(common, 0);
     if (common < int64_t(tokens_.size())) {
@@ -272,7 +274,7 @@ int64_t Session::continue_to(const int32_t *ids, int32_t n, const ProgressFn &pr
         // kept prefix that the new part's eval captures a whole window (exact mode cuts where the
         // full cache cuts, so its cache keeps the full cache's bits).
         std::vector<int64_t> cuts{common};
-        if (scored() && !exact() && n - common < n_capture())
+        if ((scored() || cfg_.reread_capture) && !exact() && n - common < n_capture())
             cuts.insert(cuts.begin(), std::max<int64_t>(0, n - n_capture()));
         bool cut = false;
         for (int64_t c : cuts) {

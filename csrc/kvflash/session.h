@@ -50,6 +50,9 @@ struct SessionConfig {
     bool exact = false;         // exact mode: speculative rounds verified over the whole context
     int32_t exact_draft = -1;   // drafts per round (-1: adaptive)
     bool exact_prefill = false; // prompts attend the whole context (implied by exact)
+    // continue_to re-reads the capture window after a cut whatever the scorer: a scoring session
+    // (the drafter's cache) whose queries another session scores with
+    bool reread_capture = false;
     // Throws std::invalid_argument naming the field.
     void validate() const;
 };
@@ -128,7 +131,8 @@ public:
     // The history becomes ids: the longest common prefix is kept (at least one token is read
     // again, for fresh logits; a scored session re-reads enough of the kept prefix to refill its
     // capture window), the rest cut, the new part prefilled.  Returns the tokens reused.
-    int64_t continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress = {});
+    // fresh_logits=false: ids equal to the history are left as they are (nothing read again).
+    int64_t continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress = {}, bool fresh_logits = true);
     // Rewinds to the first n tokens (0: reset) and reads the last kept ones again, so decoding
     // continues from fresh logits with a whole capture window.  std::invalid_argument when the
     // sliding-window ring no longer reaches that far back (nothing changed then).

@@ -246,7 +246,6 @@ class DrafterPolicy:
         self._model = None
         self._rt = None
         self._tok = None
-        self._fed: list[int] = []
         self.bridged = False
         self.fed_tokens_total = 0   # tokens evaluated by the drafter over its lifetime
 
@@ -296,6 +295,8 @@ class DrafterPolicy:
         # earlier): one feed captures both, so every token is evaluated once however often it rescores
         self._rt = _core.Runtime(self._model, max_ctx=max_ctx, pool_tokens=pool, kv_type=self.kv_type,
                                  capture_queries=self._n_capture, eval_layers=self.eval_layers)
+        # the core session under it keeps the drafter's history and refills the capture window after a cut
+        self._rt.configure(reread_capture=True)
         self._threads = self.threads or session.threads
 
     def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -306,57 +307,30 @@ class DrafterPolicy:
     def _n_capture(self) -> int:
         return self.n_queries + self.contrast
 
-    # The drafter's token list (_fed) and its cache hold the same tokens at every step that
-    # returns, and a Ctrl-C (KeyboardInterrupt, delivered as a call returns) cannot part them:
-    # the list follows the cache's n_past (an eval is all or nothing), and _sync mends what an
-    # interrupt between two statements could still leave.
-    def _sync(self) -> None:
-        n = self._rt.n_past
-        if n != len(self._fed):
-            self._cut(min(n, len(self._fed)))
-
-    def _cut(self, n: int) -> None:
-        """Forget the drafter's history past its first n tokens (cache and list)."""
-        try:
-            self._rt.truncate(n)
-        except ValueError:   # a sliding-window ring that does not reach back so far
-            self._rt.reset()
-        finally:
-            del self._fed[self._rt.n_past:]
+    @property
+    def _fed(self) -> list[int]:
+        """The tokens the drafter's cache holds (its core session's history)."""
+        return [] if self._rt is None else self._rt.tokens.tolist()
 
     def rewind(self, n_tokens: int) -> None:
         """The session's history was cut back to its first n_tokens (a failed or interrupted prefill,
         ``Session.truncate``, a chat turn that diverged): forget what the drafter was fed past them.
         A bridged drafter's tokens are its own, so it finds the common prefix at its next feed instead."""
-        if self._rt is None or self.bridged:
+        if self._rt is None or self.bridged or self._rt.n_past <= n_tokens:
             return
-        self._sync()
-        if len(self._fed) > n_tokens:
-            self._cut(n_tokens)
+        try:
+            self._rt.truncate(n_tokens)
+        except ValueError:   # a sliding-window ring that does not reach back so far
+            self._rt.reset()
 
     def _feed(self, ids: list[int]) -> None:
-        """Evaluate what the drafter has not seen of ``ids`` (a shorter or changed history is truncated
-        first, then at least the tail whose queries are captured is evaluated again)."""
-        self._sync()
-        common = 0
-        for a, b in zip(self._fed, ids):
-            if a != b:
-                break
-            common += 1
-        if len(ids) - common < self._n_capture and common < len(self._fed):
-            common = max(0, len(ids) - self._n_capture)   # re-evaluate the tail to capture its queries
-        if common < len(self._fed):
-            self._cut(common)
-            common = len(self._fed)
-        new = ids[common:]
-        if new:
-            n0 = self._rt.n_past
-            try:
-                self._rt.eval(np.asarray(new, dtype=np.int32))
-            finally:
-                if self._rt.n_past == n0 + len(new):   # evaluated, even if Ctrl-C landed as it returned
-                    self._fed.extend(new)
-                    self.fed_tokens_total += len(new)
+        """Evaluate what the drafter has not seen of ``ids``: the core session keeps the common prefix,
+        cuts the rest and evaluates the new part, the tail whose queries are captured included."""
+        if not ids:
+            self._rt.reset()
+            return
+        reused = self._rt.continue_to(np.asarray(ids, dtype=np.int32), fresh_logits=False)
+        self.fed_tokens_total += len(ids) - reused
 
     def _token_scores(self, first: int = -1) -> np.ndarray:
         """Per drafter position: attention the tail's queries pay it (every key of the history);
@@ -411,4 +385,3 @@ class DrafterPolicy:
     def reset(self) -> None:
         if self._rt is not None:
             self._rt.reset()
-        self._fed.clear()
