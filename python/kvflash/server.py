@@ -370,12 +370,11 @@ def create_app(sessions, *, model_name: str, api_key: Optional[str] = None,
                         for m in msgs)):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects with string content",
                            param="messages")
-        try:
-            text = first.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in msgs], add_generation_prompt=True)
+        try:   # the template's markers are special tokens; the messages' content is text
+            ids = first.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                              add_generation_prompt=True)
         except Exception as e:   # the template refused the conversation
             raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        ids = first.tokenizer.encode(text, add_special=not text.startswith(first._bos_text()), parse_special=True)
         _check_fits(ids, sp)
 
         def chunk(rid, created, text, reason):

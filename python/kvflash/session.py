@@ -865,13 +865,14 @@ class Session:
 
         The rendered conversation reuses the longest common prefix already in the
         cache, so a multi-turn chat only evaluates what is new (``progress``: as prefill's,
-        for that new part).
+        for that new part).  Only the template's own markers become special tokens: special-token
+        text inside a message's content is tokenized as ordinary text (``Tokenizer.encode_chat``).
         """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         with self._using("chat"):
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+            # the template's markers are special tokens; the messages' content is text (Tokenizer.encode_chat)
+            ids = self.tokenizer.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
             self._check_text_ids(ids)   # before the cached reply is cut away for it
             common = 0
             for a, b in zip(self._tokens, ids):
