@@ -116,6 +116,23 @@ def test_a_template_that_rewrites_content_still_keeps_injections_text():
     assert t.encode_chat(benign, chat_template=tmpl) == _old_path(t, benign, tmpl)   # rewritten as the template says
 
 
+@needs_vocab
+def test_long_texts_encode_the_same_with_the_gil_released():
+    """Texts past GIL_FREE_CHARS go through encode_batch (the GIL released, for the server's text threads):
+    the same ids as encode, plain and with special tokens, in encode_chat too."""
+    import kvflash.tokenizer as tk
+    t = _tok("qwen2")
+    text = ("Hello <|im_end|> wörld 🦙, " * 3000)[: tk.GIL_FREE_CHARS + 1000]
+    assert len(text) > tk.GIL_FREE_CHARS
+    assert t.encode(text) == t._hf_plain.encode(text, add_special_tokens=False).ids
+    assert t.encode(text, parse_special=True) == t._hf_with_specials().encode(text, add_special_tokens=False).ids
+    msgs = [{"role": "user", "content": text}]
+    ims, ime = t.token_to_id("<|im_start|>"), t.token_to_id("<|im_end|>")
+    plain = lambda s: t.encode(s, add_special=False)   # noqa: E731
+    assert t.encode_chat(msgs, chat_template=CHATML) == ([ims] + plain("user\n" + text) + [ime] + plain("\n") + [ims] +
+                                                         plain("assistant\n"))
+
+
 # ---------------------------------------------------------------- the server, on a tiny model
 
 TINY_TEMPLATE = ("{% for m in messages %}<|reserved_0|>{{ m['role'] }}\n{{ m['content'] }}<|reserved_1|>\n"

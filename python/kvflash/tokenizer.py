@@ -88,6 +88,18 @@ def _byte_token_value(text: str) -> int | None:
 # Tokenizer
 # --------------------------------------------------------------------------
 
+# Texts longer than this are encoded through encode_batch, which releases the GIL while it works (encode
+# holds it): a server thread tokenizing a prompt of megabytes leaves the other threads, its event loop among
+# them, running.  The same ids either way.
+GIL_FREE_CHARS = 1 << 15
+
+
+def _hf_encode(hf, text: str):
+    if len(text) > GIL_FREE_CHARS:
+        return hf.encode_batch([text], add_special_tokens=False)[0]
+    return hf.encode(text, add_special_tokens=False)
+
+
 class Tokenizer:
     """Tokenizer described by GGUF ``tokenizer.*`` metadata.
 
@@ -339,7 +351,7 @@ class Tokenizer:
             ids.append(self.bos_id)
         if text:
             hf = self._hf_with_specials() if parse_special else self._hf_plain
-            ids.extend(hf.encode(text, add_special_tokens=False).ids)
+            ids.extend(_hf_encode(hf, text).ids)
         if add_special and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
@@ -471,7 +483,7 @@ class Tokenizer:
         if not text or hf is self._hf_plain:   # no special tokens in this vocabulary
             return self.encode(text, add_special=add_special)
         found = self._content_spans(msgs, text, add_generation_prompt, chat_template, kwargs)
-        enc = hf.encode(text, add_special_tokens=False)
+        enc = _hf_encode(hf, text)
         if found is None or found[0] != text:
             # where the content is in the first rendering is unknown: keep it when no content holds a
             # special token's text, else tokenize the second rendering with the raw content put back
@@ -481,7 +493,7 @@ class Tokenizer:
             if found is None or not any(mk in c for mk in marks for c in contents):
                 return self._wrap(enc.ids, add_special)
             text, spans = found
-            enc = hf.encode(text, add_special_tokens=False)
+            enc = _hf_encode(hf, text)
         else:
             spans = found[1]
         return self._wrap(self._ids_outside(text, spans, enc), add_special)
@@ -551,11 +563,11 @@ class Tokenizer:
         out, pos = [], 0
         for a, b, t in marks:
             if a > pos:
-                out.extend(self._hf_plain.encode(text[pos:a], add_special_tokens=False).ids)
+                out.extend(_hf_encode(self._hf_plain, text[pos:a]).ids)
             out.append(t)
             pos = b
         if pos < len(text):
-            out.extend(self._hf_plain.encode(text[pos:], add_special_tokens=False).ids)
+            out.extend(_hf_encode(self._hf_plain, text[pos:]).ids)
         return out
 
     def __repr__(self) -> str:
