@@ -324,6 +324,28 @@ def test_a_full_queue_is_503_with_retry_after(slow_server):
     _wait(lambda: not any(_busy(srv)), 60, "the slot never came back")
 
 
+def test_uvicorns_connection_limit(slow_model):
+    """--limit-concurrency: past it uvicorn answers 503 itself, before any route runs."""
+    srv = ServerProcess(slow_model, ["--max-ctx", "8192", "--kvflash", "512", "--kvflash-policy", "lru", "-t", "1",
+                                     "--parallel", "1", "--limit-concurrency", "4"], timeout=120)
+    try:
+        t, ev = _hold(srv, 6000, seed=11)
+        _wait(lambda: any(_busy(srv)), 30, "the first request never took the slot")
+        waiter = threading.Thread(target=lambda: httpx.post(srv.base + "/v1/completions", timeout=300, json={
+            "prompt": "second", "max_tokens": 1}), daemon=True)
+        waiter.start()
+        _wait(lambda: _metric(srv, "kvflash_queue_depth") >= 1, 30, "the second request never queued")
+        with httpx.Client() as a, httpx.Client() as b:   # two more open connections: the fourth is refused
+            assert a.get(srv.base + "/health").status_code == 200
+            assert b.get(srv.base + "/health").status_code == 503
+        t.join(300)
+        waiter.join(300)
+        assert ("status", 200) in ev
+        _ok(srv)
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_disconnect_during_a_long_prefill_frees_the_slot(slow_server, stream):
     """A client that goes away while its prompt is prefilled: the prefill stops at its next piece (the
