@@ -266,7 +266,8 @@ int64_t Session::continue_to(const int32_t *ids, int32_t n, const ProgressFn &pr
     int64_t common = 0;
     const int64_t m = std::min<int64_t>(int64_t(tokens_.size()), n);
     while (common < m && tokens_[size_t(common)] == ids[common]) ++common;
-    if (common == n && int64_t(tokens_.size()) == n && !fresh_logits) return n;
+    if (common == n && int64_t(tokens_.size()) == n && !fresh_logits && (has_logits() || cfg_.reread_capture))
+        return n;   // the context is ids already, with its logits (a restored slot): nothing to read
     if (common == n) --common;   // read the last token again: fresh logits
     common = std::max<int64_t>(common, 0);
     if (common < int64_t(tokens_.size())) {

@@ -131,7 +131,8 @@ public:
     // The history becomes ids: the longest common prefix is kept (at least one token is read
     // again, for fresh logits; a scored session re-reads enough of the kept prefix to refill its
     // capture window), the rest cut, the new part prefilled.  Returns the tokens reused.
-    // fresh_logits=false: ids equal to the history are left as they are (nothing read again).
+    // fresh_logits=false: ids equal to the history, with logits kept (or a scoring session, which
+    // needs none), are left as they are: nothing read again.
     int64_t continue_to(const int32_t *ids, int32_t n, const ProgressFn &progress = {}, bool fresh_logits = true);
     // Rewinds to the first n tokens (0: reset) and reads the last kept ones again, so decoding
     // continues from fresh logits with a whole capture window.  std::invalid_argument when the

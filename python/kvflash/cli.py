@@ -47,6 +47,21 @@ def _pool_arg(value: str):
         raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {value!r}") from None
 
 
+def _bytes_arg(value: str) -> int:
+    """A byte count: an integer, optionally with K, M, G or T (powers of 1024), e.g. 8M."""
+    v = value.strip().upper()
+    if v.endswith("B"):
+        v = v[:-1]
+    mult = 1
+    if v and v[-1] in "KMGT":
+        mult = 1024 ** ("KMGT".index(v[-1]) + 1)
+        v = v[:-1]
+    try:
+        return int(float(v) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8388608 or 8M, got {value!r}") from None
+
+
 def _make_session(a):
     from . import DEFAULT_MODEL, Session
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
@@ -150,12 +165,38 @@ def main(argv=None) -> int:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     sv.add_argument("model", help="model name (see `kvflash models`) or GGUF path")
     _session_args(sv, model_flag=False)
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --api-key)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs an API key)")
     sv.add_argument("--port", type=int, default=8080)
     sv.add_argument("--parallel", type=int, default=1, help="slots: sessions over the one model, a pool each")
     sv.add_argument("--slot-save-path", default=None, help="directory for POST /slots/{id}?action=save|restore")
-    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    sv.add_argument("--slot-save-max-files", type=int, default=64,
+                    help="snapshots kept in --slot-save-path at most; a save past it is refused (default 64; 0: no limit)")
+    sv.add_argument("--slot-save-max-bytes", type=_bytes_arg, default=8 << 30,
+                    help="bytes of snapshots in --slot-save-path at most (e.g. 8G, the default; 0: no limit)")
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health); on the "
+                    "command line it shows in ps: prefer --api-key-file or KVFLASH_API_KEY")
+    sv.add_argument("--api-key-file", default=None, help="read the API key(s) from this file, one per line")
     sv.add_argument("--alias", default=None, help="the model's name in the API (default: the file's stem)")
+    sv.add_argument("-n", "--n-predict", type=int, default=-1,
+                    help="max_tokens a request may ask for, at most (-1, the default: max_ctx); above it: 400")
+    sv.add_argument("--max-body-bytes", type=_bytes_arg, default=8 << 20,
+                    help="largest request body (default 8M); larger: 413")
+    sv.add_argument("--max-queue", type=int, default=16,
+                    help="requests waiting for a busy slot, at most (default 16); one more gets 503 with Retry-After")
+    sv.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a request may take from its arrival, the wait for a slot included (default 600; "
+                         "0: none); past it: 504, or an error event in a stream")
+    sv.add_argument("--limit-concurrency", type=int, default=None,
+                    help="open connections and requests at most, past which uvicorn answers 503 "
+                         "(default: --parallel + --max-queue + 32)")
+    sv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                    help="a Host name to answer to besides loopback and the bound address (repeatable; '*': any). "
+                         "Others get 403 (DNS rebinding)")
+    sv.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                    help="a web origin (https://app.example) whose pages may call the server (repeatable; '*': any); "
+                         "requests from other origins get 403")
+    sv.add_argument("--ssl-key-file", default=None, help="TLS private key (PEM), with --ssl-cert-file")
+    sv.add_argument("--ssl-cert-file", default=None, help="TLS certificate chain (PEM), with --ssl-key-file")
     rp = sub.add_parser("rpc-server", help="lend this machine's CPU to a client over ggml's RPC protocol "
                                            "(no authentication: loopback or trusted networks only)")
     rp.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --allow-remote)")

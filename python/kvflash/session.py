@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -736,27 +737,32 @@ class Session:
 
         The rendered conversation reuses the longest common prefix already in the
         cache, so a multi-turn chat only evaluates what is new (``progress``: as prefill's,
-        for that new part).
+        for that new part).  Only the template's own markers become special tokens: special-token
+        text inside a message's content is tokenized as ordinary text (``Tokenizer.encode_chat``).
         """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         with self._using("chat"):
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+            # the template's markers are special tokens; the messages' content is text (Tokenizer.encode_chat)
+            ids = self.tokenizer.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
             self.continue_to(ids, progress=progress)
             return self.generate(None, **kw)
 
-    def continue_to(self, ids: Sequence[int], *, progress: Optional[Callable] = None) -> int:
+    def continue_to(self, ids: Sequence[int], *, progress: Optional[Callable] = None, fresh_logits: bool = True) -> int:
         """Make the context ``ids``: the longest common prefix with what the cache holds is kept (at
         least the last token is read again, for fresh logits), the rest cut, the new part prefilled
-        as ``prefill`` does (all or nothing from the cut).  Returns the tokens reused."""
+        as ``prefill`` does (all or nothing from the cut).  Returns the tokens reused.
+        ``fresh_logits=False``: when the context is ``ids`` already and its logits are kept (a restored
+        snapshot), nothing is read again and decoding continues exactly as it would have."""
         with self._using("continue_to"):
             self._check_text_ids(list(ids))   # before the cached reply is cut away for it
             ids = self._as_ids(ids, first=True)
             if not ids:
                 raise ValueError("continue_to: no tokens")
             self._check_fits(len(ids), 0)
-            return self._eval_prompt(ids, progress, self.runtime.continue_to)
+            verb = self.runtime.continue_to if fresh_logits else functools.partial(self.runtime.continue_to,
+                                                                                  fresh_logits=False)
+            return self._eval_prompt(ids, progress, verb)
 
     def truncate(self, n_tokens: int) -> None:
         """Rewind the context to its first n_tokens (0: reset).  The last kept tokens are read

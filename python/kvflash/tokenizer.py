@@ -88,6 +88,18 @@ def _byte_token_value(text: str) -> int | None:
 # Tokenizer
 # --------------------------------------------------------------------------
 
+# Texts longer than this are encoded through encode_batch, which releases the GIL while it works (encode
+# holds it): a server thread tokenizing a prompt of megabytes leaves the other threads, its event loop among
+# them, running.  The same ids either way.
+GIL_FREE_CHARS = 1 << 15
+
+
+def _hf_encode(hf, text: str):
+    if len(text) > GIL_FREE_CHARS:
+        return hf.encode_batch([text], add_special_tokens=False)[0]
+    return hf.encode(text, add_special_tokens=False)
+
+
 class Tokenizer:
     """Tokenizer described by GGUF ``tokenizer.*`` metadata.
 
@@ -339,7 +351,7 @@ class Tokenizer:
             ids.append(self.bos_id)
         if text:
             hf = self._hf_with_specials() if parse_special else self._hf_plain
-            ids.extend(hf.encode(text, add_special_tokens=False).ids)
+            ids.extend(_hf_encode(hf, text).ids)
         if add_special and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
@@ -444,6 +456,119 @@ class Tokenizer:
         }
         variables.update(kwargs)
         return self._chat_templates.render(source, messages, add_generation_prompt, variables)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    *, chat_template: str | None = None, **kwargs: Any) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result, messages' content as text.
+
+        The template's own markers (``<|im_start|>``, ``<|eot_id|>``, ...) become their special
+        tokens; a special token's text written inside a message's ``content`` stays ordinary text
+        tokens, so a message cannot close its turn or open another role's.  Where content holds no
+        special-token text, the ids are ``encode(text, parse_special=True)``'s for the rendered text.
+        BOS/EOS are added as ``encode(add_special=True)`` adds them, unless the rendered text
+        already starts with the BOS token's text.
+
+        How content is found in the rendered text: the template is rendered a second time with each
+        content replaced by a unique marker, and the content put back where the markers landed must
+        give the first rendering (content inserted as given, or stripped as Llama-3's ``| trim``
+        does).  A template that changes content otherwise (``split``, a branch on the content's
+        text) cannot be matched; then, when some content holds special-token text, the second
+        rendering with the raw content in the markers' places is tokenized instead.
+        """
+        msgs = [dict(m) for m in messages]
+        text = self.apply_chat_template(msgs, add_generation_prompt, chat_template=chat_template, **kwargs)
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else None
+        add_special = not (bos is not None and text.startswith(bos))
+        hf = self._hf_with_specials()
+        if not text or hf is self._hf_plain:   # no special tokens in this vocabulary
+            return self.encode(text, add_special=add_special)
+        found = self._content_spans(msgs, text, add_generation_prompt, chat_template, kwargs)
+        enc = _hf_encode(hf, text)
+        if found is None or found[0] != text:
+            # where the content is in the first rendering is unknown: keep it when no content holds a
+            # special token's text, else tokenize the second rendering with the raw content put back
+            contents = [m["content"] for m in msgs if isinstance(m.get("content"), str)]
+            marks = {self.tokens[t] for t, (a, b) in zip(enc.ids, enc.offsets)
+                     if self._special[t] and text[a:b] == self.tokens[t]}
+            if found is None or not any(mk in c for mk in marks for c in contents):
+                return self._wrap(enc.ids, add_special)
+            text, spans = found
+            enc = _hf_encode(hf, text)
+        else:
+            spans = found[1]
+        return self._wrap(self._ids_outside(text, spans, enc), add_special)
+
+    def _wrap(self, ids: list[int], add_special: bool) -> list[int]:
+        """BOS / EOS around ids, as encode(add_special=True) puts them."""
+        out = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            out.append(self.bos_id)
+        out.extend(ids)
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _content_spans(self, msgs, text, add_generation_prompt, chat_template, kwargs):
+        """(text, [(start, end), ...]): a rendering whose content spans are known, found as
+        encode_chat says; the first rendering when it can be matched.  None when the second
+        rendering fails or lost a marker."""
+        import re
+        import secrets
+        nonce = secrets.token_hex(6)
+        which = [i for i, m in enumerate(msgs) if isinstance(m.get("content"), str) and m["content"]]
+        if not which:
+            return text, []
+        ws = set(which)
+        marked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") if i in ws else m for i, m in enumerate(msgs)]
+        try:
+            s = self.apply_chat_template(marked, add_generation_prompt, chat_template=chat_template, **kwargs)
+        except Exception:
+            return None
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", s)
+        if len(pieces) == 1:
+            return None
+
+        def build(fix):
+            out, spans, pos = [], [], 0
+            for k, p in enumerate(pieces):
+                if k % 2:
+                    p = fix(msgs[int(p)]["content"])
+                    spans.append((pos, pos + len(p)))
+                out.append(p)
+                pos += len(p)
+            return "".join(out), spans
+
+        raw = build(lambda c: c)
+        if raw[0] == text:
+            return raw
+        stripped = build(str.strip)
+        return stripped if stripped[0] == text else raw
+
+    def _ids_outside(self, text: str, spans, enc) -> list[int]:
+        """Ids for text where only the special tokens outside the content spans are special: the
+        encoding as it is when none falls inside a span, else the text between the template's own
+        special tokens encoded with the plain tokenizer."""
+        def in_content(a, b):
+            return any(a < e and s < b for s, e in spans)
+
+        marks, injected = [], False
+        for t, (a, b) in zip(enc.ids, enc.offsets):
+            if self._special[t] and text[a:b] == self.tokens[t]:
+                if in_content(a, b):
+                    injected = True
+                else:
+                    marks.append((a, b, t))
+        if not injected:
+            return list(enc.ids)
+        out, pos = [], 0
+        for a, b, t in marks:
+            if a > pos:
+                out.extend(_hf_encode(self._hf_plain, text[pos:a]).ids)
+            out.append(t)
+            pos = b
+        if pos < len(text):
+            out.extend(_hf_encode(self._hf_plain, text[pos:]).ids)
+        return out
 
     def __repr__(self) -> str:
         return (f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "

@@ -12,9 +12,9 @@ from typing import Optional
 from .common import BenchConfig, log, machine_info
 
 ROUTINE_NAMES = ["demo", "ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
-                 "ruler", "exact"]
-# `all` leaves out ruler (its matrix takes hours: run it by name, in parts: it resumes from its trial log) and
-# exact (full-cache prefills of 8K-32K per context: run it by name)
+                 "ruler", "exact", "load"]
+# `all` leaves out ruler (its matrix takes hours: run it by name, in parts: it resumes from its trial log),
+# exact (full-cache prefills of 8K-32K per context: run it by name) and load (a fixed time of traffic: by name)
 ALL_ORDER = ["memory", "paging", "attention", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
 
 # Per preset: "*" applies to every routine, then the routine's own entry.  Explicit options override both.
@@ -34,6 +34,9 @@ PRESETS = {
         "demo": dict(contexts=[4096], repeats=5, depths=[10], haystacks=["prose"]),
         "snapshot": dict(contexts=[1024, 2048]),
         "serve": dict(contexts=[1024], decode_steps=64, clients=4, client_prompt=256, client_tokens=16),
+        # ~2 min: 4 clients for 90 s on 2 slots with a 512-token pool, good and bad requests mixed
+        "load": dict(contexts=[2048], pools=[512], policy="lru", clients=4, parallel=2, client_prompt=128,
+                     client_tokens=16, load_seconds=90),
         "attention": dict(pools=[512, 2048], repeats=5),
         "ruler": dict(contexts=[1024], needles=1, haystacks=["filler"], ruler_residencies=[4], chunk_tokens=16,
                       ruler_aggregate_residencies=[4], policies=["lru", "qk"], split="tuning"),
@@ -55,6 +58,8 @@ PRESETS = {
         "attention": dict(pools=[512, 1024, 2048, 4096, 8192], repeats=9, attn_kv_types=["q8_0", "q4_0", "f16"]),
         "serve": dict(contexts=[4096], repeats=5, decode_steps=128, clients=8, parallel=2, client_prompt=512,
                       client_tokens=32),
+        "load": dict(contexts=[4096], pools=[1024], policy="lru", clients=8, parallel=2, client_prompt=512,
+                     client_tokens=32, load_seconds=600),
         # issue 18's matrix: hours on 2 cores, so run it per context (it resumes from <out>/trials.jsonl)
         "ruler": dict(model="gemma3-270m", contexts=[4096, 8192, 16384], needles=8, haystacks=["filler", "ledger"],
                       policies=["lru", "qk", "drafter"]),
@@ -166,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-chunks", type=int, default=None,
                    help="kvflash sessions' tail window in chunks, always resident (default: the Session's, 4)")
     p.add_argument("--clients", type=int, default=None,
-                   help="serve: concurrent streaming clients (default 8 in standard)")
-    p.add_argument("--parallel", type=int, default=None, help="serve: the server's slots for them (default 2)")
+                   help="serve, load: concurrent clients (default 8 in standard)")
+    p.add_argument("--parallel", type=int, default=None, help="serve, load: the server's slots for them (default 2)")
     p.add_argument("--client-prompt", type=int, default=None,
-                   help="serve: prompt tokens per concurrent client, each prompt distinct (default 512 in standard)")
+                   help="serve, load: prompt tokens per concurrent client, each prompt distinct (default 512 in standard)")
     p.add_argument("--client-tokens", type=int, default=None,
-                   help="serve: tokens each concurrent client asks for (default 32 in standard)")
+                   help="serve, load: tokens each concurrent client asks for (default 32 in standard)")
+    p.add_argument("--seconds", type=int, dest="load_seconds", default=None,
+                   help="load: how long the clients send requests (default 90 in quick)")
     p.add_argument("--kv-types", type=_str_list, default=None,
                    help="attention: KV types compared, comma list of f16, q8_0, q4_0 (default q8_0; standard all three)")
     p.add_argument("--thread-counts", type=_int_list, default=None,
@@ -245,7 +252,7 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log"),
                     ("ruler_logged_only", "ruler_logged_only"), ("exact_prompts", "exact_prompts"),
                     ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft"),
-                    ("exact_prefill", "exact_prefill")]:
+                    ("exact_prefill", "exact_prefill"), ("load_seconds", "load_seconds")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)
@@ -255,10 +262,11 @@ def config_for(args, routine: str) -> BenchConfig:
 
 def _validate(p: argparse.ArgumentParser, args) -> None:
     for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods", "clients", "parallel",
-              "client_prompt", "client_tokens", "exact_prompts", "exact_tokens"):
+              "client_prompt", "client_tokens", "exact_prompts", "exact_tokens", "load_seconds"):
         v = getattr(args, k)
         if v is not None and v < 1:
-            flag = {"exact_prompts": "prompts", "exact_tokens": "gen-tokens"}.get(k, k.replace("_", "-"))
+            flag = {"exact_prompts": "prompts", "exact_tokens": "gen-tokens", "load_seconds": "seconds"}.get(
+                k, k.replace("_", "-"))
             p.error(f"--{flag} must be >= 1, got {v}")
     bad_c = [c for c in (args.memory_cells or []) if c not in ("full", "ram", "file", "auto")]
     if bad_c or (args.memory_cells is not None and not args.memory_cells):

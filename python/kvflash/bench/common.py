@@ -54,6 +54,7 @@ class BenchConfig:
     parallel: int = 2                  # serve: the server's slots for the concurrent clients
     client_prompt: int = 512           # serve: prompt tokens per concurrent client (each distinct)
     client_tokens: int = 32            # serve: tokens each concurrent client asks for
+    load_seconds: int = 90             # load: how long the clients send requests
     attn_kv_types: list = dataclasses.field(default_factory=lambda: ["q8_0"])   # attention: KV types
     attn_threads: list = dataclasses.field(default_factory=lambda: [1, 2])      # attention: thread counts
     ruler_tasks: list = dataclasses.field(default_factory=lambda: ["single", "multikey", "multivalue", "multiquery",

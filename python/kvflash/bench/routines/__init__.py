@@ -11,6 +11,7 @@ from .attention import run_attention
 from .decode import run_decode
 from .demo import run_demo
 from .exact import run_exact
+from .load import run_load
 from .memory import run_memory
 from .paging import run_paging
 from .prefill import run_prefill
@@ -22,5 +23,5 @@ from .snapshot import run_snapshot
 
 ROUTINES = {"demo": run_demo, "decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
-            "snapshot": run_snapshot, "serve": run_serve,
+            "snapshot": run_snapshot, "serve": run_serve, "load": run_load,
             "attention": run_attention, "ruler": run_ruler, "exact": run_exact}

@@ -30,19 +30,21 @@ def _free_port() -> int:
 class ServerProcess:
     """`kvflash serve` in a child process on a free loopback port, up once /health answers."""
 
-    def __init__(self, model: str, args: list, timeout: float = 300.0):
+    def __init__(self, model: str, args: list, timeout: float = 300.0, *, scheme: str = "http", verify=True,
+                 env: Optional[dict] = None):
         import httpx
         self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflash-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "kvflash", "serve", model, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvflash serve exited ({self.proc.returncode}): {self.output()[-2000:]}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", timeout=2, verify=verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
