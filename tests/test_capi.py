@@ -263,7 +263,8 @@ class Params(ctypes.Structure):
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
                 ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
                 ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
-                ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32)]
+                ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32),
+                ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -285,6 +286,11 @@ def declare(lib):
            "kvflash_session_new": (V, [V, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t]),
            "kvflash_eval": (ctypes.c_int, [V, V, I32, V]),
            "kvflash_decode": (ctypes.c_int, [V, I32, V, ctypes.POINTER(I32)]),
+           "kvflash_sample": (ctypes.c_int, [V, V, V, ctypes.POINTER(I32)]),
+           "kvflash_continue": (ctypes.c_int, [V, V, I32, ctypes.POINTER(I64), V]),
+           "kvflash_rewind": (ctypes.c_int, [V, I64]),
+           "kvflash_settle": (ctypes.c_int, [V]),
+           "kvflash_session_free": (None, [V]),
            "kvflash_set_seed": (ctypes.c_int, [V, ctypes.c_uint64]),
            "kvflash_n_past": (I64, [V]),
            "kvflash_n_chunks": (I32, [V]),
@@ -343,3 +349,89 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
+
+
+def test_c_api_and_python_session_are_one_core(tiny):
+    """The C API and kvflash.Session drive the same core session: for exact mode, exact prefill and qk
+    with prefix reuse (kvflash_continue / Session.continue_to) and a rewind, the tokens and final logits
+    are bit-equal, and (where the round lengths do not differ) so are page-outs and rescores."""
+    proc = run_python(f"""
+        import ctypes
+        import numpy as np
+        import kvflash
+        from kvflash import capi
+        from test_capi import Params, Stats, declare
+        lib = declare(ctypes.CDLL(str(capi.library_path())))
+        err = ctypes.create_string_buffer(512)
+        m = lib.kvflash_model_load({tiny!r}.encode(), 1, err, 512)
+        assert m, err.value
+        rng = np.random.default_rng(5)
+        ids = [int(x) for x in rng.integers(3, 250, 1300)]
+        more = [int(x) for x in rng.integers(3, 250, 20)]   # fewer than qk's 40 captured queries: the cut re-reads
+        V = kvflash.Model({tiny!r}, 1).hparams["n_vocab"]
+
+        def c_run(mode, steps):
+            q = lib.kvflash_default_params()
+            q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, b"qk", 16
+            q.exact = int(mode == "exact")
+            q.exact_prefill = int(mode == "exact_prefill")
+            s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
+            assert s, err.value
+            arr = lambda x: (ctypes.c_int32 * len(x))(*x)
+            out = []
+            def gen(n):
+                tok = ctypes.c_int32()
+                assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
+                for _ in range(n):
+                    out.append(tok.value)
+                    nxt = ctypes.c_int32()
+                    assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
+                    tok = nxt
+                assert lib.kvflash_settle(s) == 0
+            assert lib.kvflash_eval(s, arr(ids), len(ids), None) == 0, lib.kvflash_last_error(s)
+            gen(steps)
+            conv = ids + out[:steps // 2] + more   # diverges from the history: a cut, then a re-read
+            reused = ctypes.c_int64()
+            assert lib.kvflash_continue(s, arr(conv), len(conv), ctypes.byref(reused), None) == 0, lib.kvflash_last_error(s)
+            gen(steps)
+            assert lib.kvflash_rewind(s, len(conv) + 3) == 0, lib.kvflash_last_error(s)
+            gen(steps)
+            logits = np.ctypeslib.as_array(lib.kvflash_get_logits(s), shape=(V,)).copy()
+            st = lib.kvflash_get_stats(s)
+            r = (out, reused.value, logits, st.page_outs, st.rescores, st.n_past)
+            lib.kvflash_session_free(s)
+            return r
+
+        def py_run(mode, steps):
+            s = kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy="qk", tau=16, threads=1, verbose=False, seed=0,
+                                exact=mode == "exact", exact_prefill=mode == "exact_prefill")
+            out = []
+            def gen(n):
+                n0 = s.n_past
+                list(s.generate(None, max_tokens=n, ignore_eos=True))
+                out.extend(s.tokens[n0:n0 + n])
+            s.prefill(ids)
+            gen(steps)
+            conv = ids + out[:steps // 2] + more   # diverges from the history: a cut, then a re-read
+            reused = s.continue_to(conv)
+            gen(steps)
+            s.truncate(len(conv) + 3)
+            gen(steps)
+            st = s.stats
+            return out, reused, s.logits(), st["page_outs"], st["rescores"], st["n_past"]
+
+        for mode in ("pooled", "exact_prefill", "exact"):
+            c, p = c_run(mode, 24), py_run(mode, 24)
+            assert c[0] == p[0], (mode, c[0], p[0])
+            assert c[1] == p[1], (mode, "reused", c[1], p[1])
+            assert np.array_equal(c[2], p[2]), (mode, "logits", float(np.abs(c[2] - p[2]).max()))
+            assert c[5] == p[5], (mode, "n_past", c[5], p[5])
+            assert c[3] > 0 and c[4] >= 3 and 0 < c[1] <= len(ids) + 12, (mode, "paged, rescored, reused", c[1:5:2], c[4])
+            if mode != "exact":   # exact rounds: C takes no budget, so its last rounds draft further
+                assert (c[3], c[4]) == (p[3], p[4]), (mode, "page-outs, rescores", c[3:5], p[3:5])
+            print(mode, "ok", len(c[0]), c[1], c[3], c[4])
+        lib.kvflash_model_free(m)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in ("pooled", "exact_prefill", "exact"):
+        assert f"{mode} ok 72" in proc.stdout, proc.stdout

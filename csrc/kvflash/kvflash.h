@@ -87,6 +87,10 @@ struct kvflash_params {
     /* -- since API version 5 -- */
     int32_t qk_carry;           /* qk: each token also takes, a hair lower, the scores of this many tokens
                                    before it, so a value's chunk ranks behind its key's (16; 0: off) */
+    /* -- since API version 8 -- */
+    int32_t exact;              /* 1: exact mode, the full cache's tokens from the paged session (0) */
+    int32_t exact_prefill;      /* 1: prompts attend the whole context, decode reads the pool (0) */
+    int32_t exact_draft;        /* exact mode: drafts per round, 0 .. 16 (-1: adaptive, the default) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise
@@ -181,6 +185,11 @@ int kvflash_continue(kvflash_session *session, const int32_t *tokens, int32_t n,
  * logits, as kvflash.Session.truncate does.  The tokens come from the session's own history.
  * KVFLASH_EINVAL when gemma3's sliding-window ring no longer reaches that far back. */
 int kvflash_rewind(kvflash_session *session, int64_t n_past);
+/* Since API version 8, exact mode (params.exact): kvflash_decode verifies drafts in rounds, so the
+ * cache may hold up to 16 verified tokens past the one it returned (kvflash_n_past counts them; the
+ * next calls hand them out).  kvflash_settle drops those not taken yet; kvflash_eval, kvflash_continue
+ * and kvflash_rewind settle first.  Without exact mode it does nothing. */
+int kvflash_settle(kvflash_session *session);
 /* Back to an empty context; policy state (scores, the rescore schedule) included. */
 int kvflash_reset(kvflash_session *session);
 

@@ -152,6 +152,9 @@ kvflash_params kvflash_default_params(void) {
     p.qk_spread = 4;
     p.qk_layers = -1;
     p.qk_carry = 16;
+    p.exact = 0;
+    p.exact_prefill = 0;
+    p.exact_draft = -1;
     return p;
 }
 
@@ -265,6 +268,19 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         sc.tau = p.tau;
         sc.reeval_tokens = p.reeval_tokens;
         sc.seed = p.seed;
+        if ((p.exact != 0 && p.exact != 1) || (p.exact_prefill != 0 && p.exact_prefill != 1))
+            throw std::invalid_argument("params.exact and params.exact_prefill must be 0 or 1");
+        if (p.exact_draft < -1 || p.exact_draft > kvflash::kMaxDraft)
+            throw std::invalid_argument("params.exact_draft must be -1 (adaptive) or in [0, " +
+                                        std::to_string(kvflash::kMaxDraft) + "], got " + std::to_string(p.exact_draft));
+        if ((p.exact || p.exact_prefill) && !model->m->remote_layers().empty())
+            throw std::invalid_argument("params.exact / exact_prefill read the host store in place in one process; "
+                                        "this model has layers on RPC servers");
+        if ((p.exact || p.exact_prefill) && model->m->device().name().rfind("cpu", 0) != 0)
+            throw std::invalid_argument("params.exact / exact_prefill verify on the CPU backend");
+        sc.exact = p.exact != 0;
+        sc.exact_prefill = p.exact_prefill != 0;
+        sc.exact_draft = p.exact_draft;
         auto s = std::make_unique<kvflash_session>();
         s->s = std::make_unique<kvflash::Session>(model->m, sc);
         return s.release();
@@ -338,6 +354,10 @@ int kvflash_truncate(kvflash_session *s, int64_t n_past) {
 
 int kvflash_rewind(kvflash_session *s, int64_t n_past) {
     return guarded(s, [&] { s->s->truncate(n_past); });
+}
+
+int kvflash_settle(kvflash_session *s) {
+    return guarded(s, [&] { s->s->settle(); });
 }
 
 int kvflash_reset(kvflash_session *s) {
