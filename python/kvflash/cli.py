@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Optional
 
+from ._args import pool_arg as _pool_arg
+
 
 def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     if model_flag:
@@ -33,18 +35,6 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="prefill progress on stderr (tokens, tok/s, ETA, page-outs); default: when stderr is a terminal")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no prefill progress")
-
-
-def _pool_arg(value: str):
-    """--kvflash: an integer pool size, 'auto', or 'off' (the full cache: None)."""
-    if value in ("off", "none", "full"):
-        return None
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {value!r}") from None
 
 
 def _bytes_arg(value: str) -> int:

@@ -372,13 +372,6 @@ def _finish(reason: Optional[str]) -> str:
 
 # ---------------------------------------------------------------- the work, in a thread
 
-def _prepare(s, ids: list, progress=None) -> None:
-    """Bring the session's context to ids, reusing the longest cached prefix (Session.continue_to; a context
-    that is the prompt already continues from its logits: a restored slot, exactly).  progress:
-    Session.prefill's hook (what it raises stops the prefill, which keeps nothing of the new tokens)."""
-    s.continue_to(ids, progress=progress, fresh_logits=False)
-
-
 def _work(slot: Slot, ids: list, sp: dict, put, cancel: threading.Event, deadline: Optional[float] = None) -> None:
     """One request on its slot: prefill, then decode, each piece sent with put().  It stops when cancel is set
     (the client went away) or the deadline (time.monotonic()) passes: between two prefill pieces, or at the
@@ -394,7 +387,7 @@ def _work(slot: Slot, ids: list, sp: dict, put, cancel: threading.Event, deadlin
     n_prompt = s.n_past
     try:
         check()
-        _prepare(s, ids, progress=check)
+        s.continue_to(ids, progress=check, fresh_logits=False)   # a restored slot continues from its logits
         n_prompt = s.n_past
         t0 = time.perf_counter()
         gen = s.generate(None, **sp)
@@ -931,7 +924,7 @@ def serve(args) -> int:
     except ImportError as e:
         raise SystemExit(f"kvflash serve needs the serve extra: pip install 'kvflash[serve]' ({e})") from None
     from . import _core
-    from .cli import _pool_arg
+    from ._args import pool_arg as _pool_arg
     from .models import resolve_model
     from .session import Session
     # long prompts are tokenized with the GIL released (Tokenizer.encode): in this thread, not rayon's pool

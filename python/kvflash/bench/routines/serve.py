@@ -105,10 +105,9 @@ def stream_completion(client, base: str, ids: list, max_tokens: int) -> dict:
 
 def _inprocess(s, ids: list, max_tokens: int) -> dict:
     """The same completion through Session.generate in this process, timed the same way: the slot's
-    context preparation (kvflash.server._prepare), then greedy decoding, times at each piece."""
-    from kvflash.server import _prepare
+    context preparation (Session.continue_to, as the server's), then greedy decoding, times at each piece."""
     t_send = time.perf_counter()
-    _prepare(s, list(ids))
+    s.continue_to(list(ids), fresh_logits=False)
     n0 = s.n_past
     t_first, texts = None, []
     for piece in s.generate(None, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
@@ -288,7 +287,7 @@ def run_serve(cfg: BenchConfig) -> Result:
         "decode tok/s: (completion tokens - 1) / (end of the stream - first text), the same on both sides; HTTP: "
         "httpx reading the SSE stream of /v1/completions (token-id prompt, temperature 0, ignore_eos) from a "
         "kvflash serve child process with one slot; in-process: the slot's context preparation "
-        "(kvflash.server._prepare: the cached prompt is kept, its last token re-evaluated), then Session.generate",
+        "(Session.continue_to, as the server calls it: the cached prompt is kept, its last token re-evaluated), then Session.generate",
         "the slot and the two in-process sessions (the second is the A/A control's) serve the same requests in the "
         "same order, so each round's greedy text must be the same in all three (a paged cache's contents depend on "
         "its history); each mode ran once untimed first (the prompt's prefill); then rounds with the order rotated; "
