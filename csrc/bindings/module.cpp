@@ -17,7 +17,7 @@
 #endif
 
 #include "ggml-cpu.h"
-#include "kvflash/attn_cpu.h"
+#include "kvflash/attn_bench.h"
 #include "kvflash/limits.h"
 #include "kvflash/rpc.h"
 
