@@ -430,7 +430,7 @@ def test_drafter_cache_is_rebuilt_from_the_history_after_a_load(models, tmp_path
     _gen(s, 8)
     path = tmp_path / "d.kvsnap"
     s.save(path)
-    t = kvflash.Session.load(path, model, threads=1)
+    t = kvflash.Session.load(path, model, threads=1, drafter=model)   # the drafter is the loader's to give
     assert t.policy.name == "drafter" and t.policy.fed_tokens_total == 0
     n0 = t.n_past
     _gen(t, 40)

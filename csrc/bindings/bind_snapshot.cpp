@@ -18,6 +18,8 @@ py::dict header_dict(const SnapshotHeader &h) {
     d["n_past"] = h.n_past; d["chunk_bytes"] = h.chunk_bytes; d["full_cache"] = bool(h.full_cache);
     d["summaries"] = bool(h.summaries); d["paged_layers"] = h.paged_layers;
     d["row_bytes_k"] = h.row_bytes_k; d["row_bytes_v"] = h.row_bytes_v;
+    d["kvflash_version"] = h.kvflash_version; d["n_vocab"] = h.n_vocab; d["query_floats"] = h.query_floats;
+    d["summary_floats"] = h.summary_floats; d["ring_bytes_k"] = h.ring_bytes_k; d["ring_bytes_v"] = h.ring_bytes_v;
     return d;
 }
 
@@ -27,12 +29,14 @@ void bind_snapshot(py::module_ &m, RuntimeClass &cls) {
     // A ValueError: a file that is not a snapshot, or one that does not fit the session.
     py::register_exception<SnapshotError>(m, "SnapshotError", PyExc_ValueError);
     m.attr("SNAPSHOT_VERSION") = kSnapshotVersion;
+    m.attr("SNAPSHOT_MAX_APP_BYTES") = kSnapshotMaxAppBytes;
     m.def("model_fingerprint", [](py::object path) {
               const std::string p = py::str(path).cast<std::string>();
               py::gil_scoped_release nogil;
               return model_fingerprint(p);
           }, py::arg("path"),
-          "64-bit fingerprint of a GGUF file: its size, its first 4 MiB and 1 MiB at the middle and the end.");
+          "64-bit fingerprint of a GGUF file: its size, every byte before the tensor data (header, metadata, the "
+          "whole tensor table) and 4 KiB at the start, middle and end of each tensor's data.");
 
     cls.def("save_snapshot", [](PyRuntime &r, py::object path, py::array tokens, py::object logits, py::bytes app) {
             InUse use(&r.busy);
@@ -56,16 +60,40 @@ void bind_snapshot(py::module_ &m, RuntimeClass &cls) {
 
     py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot", R"doc(
 A snapshot file read into memory and checked (magic, version, section lengths and
-checksums, the chunk table's invariants): Snapshot.read(path).  check(runtime) names
-the first thing that does not fit the runtime; apply(runtime) checks, then replaces
-the runtime's cache and sampler with the snapshot's.  SnapshotError (a ValueError)
-for every refusal, and a refusal changes nothing.
+checksums, the chunk table's invariants): Snapshot.read(path, runtime=None, max_bytes=0).
+Before the file's size is allocated, its preamble, section table and header are read
+and checked, each section's length is held to what the header allows, and with runtime
+the header is compared with that runtime's and the file held to the largest snapshot of
+its geometry; max_bytes > 0 caps the file's size as well.  Snapshot.peek(path,
+runtime=None, max_bytes=0): the header and the caller's bytes alone, (header, app), with
+small reads and the same checks (the header is not compared with runtime's).  check(runtime)
+names the first thing that does not fit the runtime; apply(runtime) checks, then
+replaces the runtime's cache and sampler with the snapshot's.  SnapshotError (a
+ValueError) for every refusal, and a refusal changes nothing.
 )doc")
-        .def_static("read", [](py::object path) {
+        .def_static("read", [](py::object path, PyRuntime *r, uint64_t max_bytes) {
             const std::string p = py::str(path).cast<std::string>();
+            std::unique_ptr<InUse> use;
+            if (r) use = std::make_unique<InUse>(&r->busy);
             py::gil_scoped_release nogil;
-            return std::make_shared<Snapshot>(Snapshot::read(p));
-        }, py::arg("path"))
+            return std::make_shared<Snapshot>(Snapshot::read(p, r ? r->rt : nullptr,
+                                                             r ? r->summaries.get() : nullptr, max_bytes));
+        }, py::arg("path"), py::arg("runtime") = nullptr, py::arg("max_bytes") = 0)
+        .def_static("peek", [](py::object path, PyRuntime *r, uint64_t max_bytes) {
+            const std::string p = py::str(path).cast<std::string>();
+            SnapshotPeek k;
+            {
+                std::unique_ptr<InUse> use;
+                if (r) use = std::make_unique<InUse>(&r->busy);
+                py::gil_scoped_release nogil;
+                k = Snapshot::peek(p, r ? r->rt : nullptr, r ? r->summaries.get() : nullptr, max_bytes);
+            }
+            return py::make_tuple(header_dict(k.header), py::bytes(k.app));
+        }, py::arg("path"), py::arg("runtime") = nullptr, py::arg("max_bytes") = 0)
+        .def_static("max_file_bytes", [](PyRuntime &r) {
+            InUse use(&r.busy);
+            return Snapshot::max_file_bytes(Snapshot::header_of(*r.rt, r.summaries.get()));
+        }, py::arg("runtime"), "The largest snapshot file of this runtime's geometry (Snapshot.read's cap).")
         .def_property_readonly("header", [](const Snapshot &s) { return header_dict(s.header()); })
         .def_property_readonly("tokens", [](const Snapshot &s) {
             const auto &t = s.session().tokens;

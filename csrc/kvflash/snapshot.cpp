@@ -7,11 +7,20 @@
 #include <cstring>
 #include <type_traits>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "gguf.h"
 #include "kvflash/limits.h"
+
+#ifndef KVFLASH_VERSION_STRING
+#define KVFLASH_VERSION_STRING "unknown"
+#endif
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "snapshots are written in host order: little-endian only");
 
@@ -155,42 +164,319 @@ uint64_t fnv1a(const uint8_t *p, size_t n, uint64_t h) {
     return h;
 }
 
-uint64_t fingerprint_of(const std::string &path, uint64_t *bytes_out) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw std::runtime_error(os_error("cannot read the model file " + path, errno));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-        const int e = errno;
-        ::close(fd);
-        throw std::runtime_error(os_error("cannot stat " + path, e));
+// An open file, closed on every path out.
+struct Fd {
+    int fd = -1;
+    explicit Fd(int f) : fd(f) {}
+    ~Fd() {
+        if (fd >= 0) ::close(fd);
     }
+    Fd(const Fd &) = delete;
+    Fd &operator=(const Fd &) = delete;
+};
+
+// Reads exactly n bytes at off; false when the file ends first (errno 0), or errno on a read error.
+bool pread_all(int fd, void *dst, size_t n, uint64_t off, int *err) {
+    auto *d = static_cast<uint8_t *>(dst);
+    *err = 0;
+    while (n > 0) {
+        const ssize_t r = ::pread(fd, d, n, off_t(off));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) *err = errno;
+        if (r <= 0) return false;
+        d += r;
+        n -= size_t(r);
+        off += uint64_t(r);
+    }
+    return true;
+}
+
+struct FileId {
+    std::string path;
+    uint64_t dev, ino, size;
+    int64_t mtime_s, mtime_ns;
+    bool operator<(const FileId &o) const {
+        return std::tie(path, dev, ino, size, mtime_s, mtime_ns) <
+               std::tie(o.path, o.dev, o.ino, o.size, o.mtime_s, o.mtime_ns);
+    }
+};
+
+uint64_t fingerprint_of(const std::string &path, uint64_t *bytes_out) {
+    const Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (f.fd < 0) throw std::runtime_error(os_error("cannot read the model file " + path, errno));
+    struct stat st {};
+    if (::fstat(f.fd, &st) != 0) throw std::runtime_error(os_error("cannot stat " + path, errno));
     const uint64_t size = uint64_t(st.st_size);
-    uint64_t h = fnv1a(reinterpret_cast<const uint8_t *>(&size), sizeof size, 0xcbf29ce484222325ull);
-    constexpr uint64_t MiB = 1 << 20;
-    std::vector<std::pair<uint64_t, uint64_t>> spans;  // (offset, length)
-    if (size < 6 * MiB) spans.push_back({0, size});
-    else spans = {{0, 4 * MiB}, {size / 2, MiB}, {size - MiB, MiB}};
-    std::vector<uint8_t> buf(MiB);
-    for (auto [off, len] : spans) {
-        while (len > 0) {
-            const ssize_t r = ::pread(fd, buf.data(), size_t(std::min<uint64_t>(len, MiB)), off_t(off));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) {
-                const int e = r < 0 ? errno : EIO;
-                ::close(fd);
-                throw std::runtime_error(os_error("cannot read the model file " + path, e));
-            }
-            h = fnv1a(buf.data(), size_t(r), h);
-            off += uint64_t(r);
-            len -= uint64_t(r);
+    if (bytes_out) *bytes_out = size;
+    // A file unchanged since it was fingerprinted (same inode, size and mtime) is not read again.
+    static std::mutex mu;
+    static std::map<FileId, uint64_t> known;
+    const FileId id{path, uint64_t(st.st_dev), uint64_t(st.st_ino), size, int64_t(st.st_mtim.tv_sec),
+                    int64_t(st.st_mtim.tv_nsec)};
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = known.find(id);
+        if (it != known.end()) return it->second;
+    }
+    // Where the tensor data starts and where each tensor lies, from ggml's parser (metadata only).
+    gguf_init_params gp{};
+    gp.no_alloc = true;
+    gp.ctx = nullptr;
+    gguf_context *g = gguf_init_from_file(path.c_str(), gp);
+    if (!g) throw std::invalid_argument("snapshot: cannot fingerprint " + path + ": ggml does not read it as a GGUF file");
+    const uint64_t data = gguf_get_data_offset(g);
+    std::vector<std::pair<uint64_t, uint64_t>> spans;  // (offset, length), in file order of the table
+    spans.push_back({0, std::min(data, size)});        // header, metadata, tensor table, padding
+    constexpr uint64_t K4 = 4096;
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        const uint64_t off = data + gguf_get_tensor_offset(g, i), n = gguf_get_tensor_size(g, i);
+        if (off >= size) continue;
+        const uint64_t len = std::min(n, size - off);
+        if (len <= 3 * K4) {
+            spans.push_back({off, len});
+        } else {
+            spans.push_back({off, K4});
+            spans.push_back({off + len / 2 - K4 / 2, K4});
+            spans.push_back({off + len - K4, K4});
         }
     }
-    ::close(fd);
-    if (bytes_out) *bytes_out = size;
+    gguf_free(g);
+    uint64_t h = fnv1a(reinterpret_cast<const uint8_t *>(&size), sizeof size, 0xcbf29ce484222325ull);
+    constexpr uint64_t MiB = 1 << 20;
+    std::vector<uint8_t> buf(MiB);
+    for (auto [off, len] : spans) {
+        h = fnv1a(reinterpret_cast<const uint8_t *>(&off), sizeof off, h);
+        while (len > 0) {
+            const size_t k = size_t(std::min<uint64_t>(len, MiB));
+            int e = 0;
+            if (!pread_all(f.fd, buf.data(), k, off, &e))
+                throw std::runtime_error(os_error("cannot read the model file " + path, e ? e : EIO));
+            h = fnv1a(buf.data(), k, h);
+            off += k;
+            len -= k;
+        }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    known[id] = h;
     return h;
 }
 
-std::vector<uint8_t> read_file(const std::string &path) {
+std::string human(uint64_t fp) {
+    char s[17];
+    std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(fp));
+    return s;
+}
+
+constexpr uint64_t kMaxHeadBytes = 4ull << 20;  // HEAD: 65536 paged and ring layers, at most
+constexpr uint32_t kMaxLayers = 65536;
+constexpr uint64_t kMaxRowBytes = 1ull << 30;    // one token's K (or V) row of one layer
+constexpr uint64_t kMaxRingBytes = 1ull << 40;   // one sliding-window layer's K (or V)
+
+// HEAD's payload.
+Buf head_payload(const SnapshotHeader &h) {
+    Buf b;
+    b.put(h.fingerprint); b.put(h.model_bytes);
+    b.str(h.kvflash_version); b.str(h.arch); b.str(h.kv_type);
+    for (int32_t v : {h.n_layer, h.eval_layers, h.chunk_tokens, h.pool_tokens, h.sink_chunks, h.tail_window_chunks,
+                      h.swa_tokens, h.n_swa_layers, h.capture_queries})
+        b.put(v);
+    b.put(h.max_ctx); b.put(h.n_past); b.put(h.chunk_bytes); b.put(h.full_cache); b.put(h.summaries);
+    b.put(h.n_vocab); b.put(h.query_floats); b.put(h.summary_floats);
+    b.put<uint32_t>(uint32_t(h.paged_layers.size()));
+    for (size_t i = 0; i < h.paged_layers.size(); ++i) {
+        b.put(h.paged_layers[i]); b.put(h.row_bytes_k[i]); b.put(h.row_bytes_v[i]);
+    }
+    b.put<uint32_t>(uint32_t(h.ring_bytes_k.size()));
+    for (size_t i = 0; i < h.ring_bytes_k.size(); ++i) {
+        b.put(h.ring_bytes_k[i]); b.put(h.ring_bytes_v[i]);
+    }
+    return b;
+}
+
+// HEAD parsed, and every field held to its range and to the others (a header that passes
+// names sizes that fit 64 bits; section_limits computes with them).
+SnapshotHeader parse_head(Cursor c) {
+    SnapshotHeader h;
+    h.fingerprint = c.get<uint64_t>();
+    h.model_bytes = c.get<uint64_t>();
+    h.kvflash_version = c.str(64);
+    h.arch = c.str(64);
+    h.kv_type = c.str(16);
+    for (int32_t *v : {&h.n_layer, &h.eval_layers, &h.chunk_tokens, &h.pool_tokens, &h.sink_chunks,
+                       &h.tail_window_chunks, &h.swa_tokens, &h.n_swa_layers, &h.capture_queries})
+        *v = c.get<int32_t>();
+    h.max_ctx = c.get<int64_t>();
+    h.n_past = c.get<int64_t>();
+    h.chunk_bytes = c.get<uint64_t>();
+    h.full_cache = c.get<uint8_t>();
+    h.summaries = c.get<uint8_t>();
+    h.n_vocab = c.get<int32_t>();
+    h.query_floats = c.get<uint64_t>();
+    h.summary_floats = c.get<uint64_t>();
+    const uint32_t nl = c.get<uint32_t>();
+    if (nl == 0 || nl > kMaxLayers) c.bad(std::to_string(nl) + " paged layers");
+    for (uint32_t i = 0; i < nl; ++i) {
+        h.paged_layers.push_back(c.get<int32_t>());
+        h.row_bytes_k.push_back(c.get<uint64_t>());
+        h.row_bytes_v.push_back(c.get<uint64_t>());
+    }
+    const uint32_t nr = c.get<uint32_t>();
+    if (int64_t(nr) != int64_t(h.n_swa_layers)) c.bad("ring layers disagree with the header");
+    for (uint32_t i = 0; i < nr; ++i) {
+        h.ring_bytes_k.push_back(c.get<uint64_t>());
+        h.ring_bytes_v.push_back(c.get<uint64_t>());
+    }
+    c.done();
+    if (h.chunk_tokens <= 0 || h.chunk_tokens > 4096) c.bad("chunk_tokens " + std::to_string(h.chunk_tokens));
+    if (h.pool_tokens <= 0 || h.pool_tokens % h.chunk_tokens != 0) c.bad("pool_tokens " + std::to_string(h.pool_tokens));
+    if (h.max_ctx < 1 || h.max_ctx > kMaxContext) c.bad("max_ctx " + std::to_string(h.max_ctx));
+    if (h.n_past < 0 || h.n_past > h.max_ctx) c.bad("n_past " + std::to_string(h.n_past));
+    if (h.sink_chunks < 0 || h.tail_window_chunks < 0 || h.swa_tokens < 0 || h.n_swa_layers < 0 || h.eval_layers < 0)
+        c.bad("a negative count");
+    if (h.n_layer <= 0 || h.n_layer > int32_t(kMaxLayers)) c.bad("n_layer " + std::to_string(h.n_layer));
+    if (h.capture_queries < 0 || h.capture_queries > 4096) c.bad("capture_queries " + std::to_string(h.capture_queries));
+    if (h.full_cache > 1 || h.summaries > 1) c.bad("a flag that is not 0 or 1");
+    if (h.n_vocab <= 0) c.bad("n_vocab " + std::to_string(h.n_vocab));
+    if (h.swa_tokens > (1 << 30)) c.bad("swa_tokens " + std::to_string(h.swa_tokens));
+    if (h.query_floats > (uint64_t(1) << 32) || h.summary_floats > (uint64_t(1) << 32)) c.bad("a row of over 2^32 floats");
+    uint64_t row = 0;  // one token's K and V over every paged layer
+    for (uint32_t i = 0; i < nl; ++i) {
+        if (h.paged_layers[i] < 0 || h.paged_layers[i] >= h.n_layer) c.bad("a paged layer outside the model");
+        if (h.row_bytes_k[i] == 0 || h.row_bytes_k[i] > kMaxRowBytes || h.row_bytes_v[i] == 0 ||
+            h.row_bytes_v[i] > kMaxRowBytes)
+            c.bad("a paged layer's row of " + std::to_string(h.row_bytes_k[i]) + " / " + std::to_string(h.row_bytes_v[i]) +
+                  " bytes");
+        row += h.row_bytes_k[i] + h.row_bytes_v[i];  // < 2^48: no overflow
+    }
+    if (row * uint64_t(h.chunk_tokens) != h.chunk_bytes) c.bad("chunk_bytes disagrees with its row sizes");
+    for (uint32_t i = 0; i < nr; ++i)
+        if (h.ring_bytes_k[i] > kMaxRingBytes || h.ring_bytes_v[i] > kMaxRingBytes) c.bad("a ring layer over 2^40 bytes");
+    return h;
+}
+
+// The most bytes each section's payload can hold for h's geometry, and that TOKS holds exactly.
+// n_past: the history's length (max_ctx for the largest file of the geometry).
+struct Limits {
+    uint64_t max[kSections];
+};
+
+Limits section_limits(const SnapshotHeader &h, int64_t n_past) {
+    using u128 = unsigned __int128;
+    const u128 C = u128(h.chunk_tokens), nc = (u128(h.max_ctx) + C - 1) / C, nb = u128(h.pool_tokens) / C;
+    const u128 words = (C + 63) / 64, row = u128(h.chunk_bytes) / C;
+    u128 m[kSections];
+    m[HEAD] = head_payload(h).b.size();
+    // n_chunks .. has_scores, six counters, then nine arrays each with its u64 length (free list: up to nb)
+    m[PAGR] = 29 + 48 + 9 * 8 + nc * (4 + 1 + 4 + 1 + 8 + 4) + nc * words * 8 + nb * 4 + nb * 4;
+    m[POOL] = 4 + nb * C * row;
+    m[HOST] = nc * u128(h.chunk_bytes);
+    u128 ring = 4 + 8 + (h.n_swa_layers ? u128(h.swa_tokens) * 8 : 0);
+    for (size_t i = 0; i < h.ring_bytes_k.size(); ++i) ring += 16 + u128(h.ring_bytes_k[i]) + h.ring_bytes_v[i];
+    m[RING] = ring;
+    m[QCAP] = 4 + 8 + u128(h.capture_queries) * h.query_floats * 4;
+    m[SUMM] = 1 + (h.summaries ? 4 * 8 + nc + 3 * nc * u128(h.summary_floats) * 4 : 0);
+    m[TOKS] = 8 + u128(n_past) * 4;
+    m[LOGT] = 8 + u128(h.n_vocab) * 4;
+    m[SAMP] = 4 + kSnapshotMaxSamplerBytes;
+    m[APPS] = kSnapshotMaxAppBytes;
+    Limits l;
+    for (int i = 0; i < kSections; ++i) {
+        if (m[i] > (u128(1) << 62))
+            throw SnapshotError(std::string("snapshot: its header's geometry is too large for a file (section ") +
+                                kTags[i] + ")");
+        l.max[i] = uint64_t(m[i]);
+    }
+    return l;
+}
+
+// Every section's length within what the header allows (before any of them is read).
+void check_limits(const SnapshotHeader &h, const uint64_t *len, const std::string &where) {
+    const Limits l = section_limits(h, h.n_past);
+    for (int i = 0; i < kSections; ++i) {
+        const bool exact = i == TOKS;
+        if (exact ? len[i] != l.max[i] : len[i] > l.max[i])
+            throw SnapshotError(where + ": section " + kTags[i] + " holds " + std::to_string(len[i]) + " bytes; its header's "
+                                "geometry allows " + (exact ? "exactly " : "at most ") + std::to_string(l.max[i]));
+    }
+}
+
+// The file, open, and its preamble and section table (small reads only).
+struct Table {
+    uint64_t size = 0, off[kSections] = {}, len[kSections] = {};
+    uint32_t crc[kSections] = {};
+};
+
+Table scan(int fd, uint64_t size, const std::string &where) {
+    Table t;
+    t.size = size;
+    uint8_t pre[kPreamble];
+    const size_t np = size_t(std::min<uint64_t>(size, kPreamble));
+    int e = 0;
+    if (!pread_all(fd, pre, np, 0, &e)) {
+        if (e) throw std::runtime_error(os_error("cannot read " + where.substr(9), e));
+        throw SnapshotError(where + " is truncated: it ended while it was read");
+    }
+    if (np < sizeof kMagic || std::memcmp(pre, kMagic, sizeof kMagic) != 0)
+        throw SnapshotError(where + " is not a kvflash snapshot (no KVFLSNAP magic)");
+    if (np < kPreamble) throw SnapshotError(where + " is truncated: " + std::to_string(size) + " bytes");
+    uint32_t version = 0, n_sec = 0;
+    std::memcpy(&version, pre + 8, 4);
+    std::memcpy(&n_sec, pre + 12, 4);
+    if (version != kSnapshotVersion)
+        throw SnapshotError(where + " has format version " + std::to_string(version) + "; this kvflash reads version " +
+                            std::to_string(kSnapshotVersion) + " (it is kvflash " KVFLASH_VERSION_STRING "; " +
+                            (version < kSnapshotVersion
+                                 ? std::string("an older kvflash wrote the file, with another model fingerprint: take "
+                                               "the snapshot again with this one)")
+                                 : std::string("a newer kvflash wrote the file)")));
+    if (n_sec != uint32_t(kSections))
+        throw SnapshotError(where + " has " + std::to_string(n_sec) + " sections; format version " +
+                            std::to_string(kSnapshotVersion) + " has " + std::to_string(kSections));
+    uint64_t at = kPreamble;
+    for (int i = 0; i < kSections; ++i) {
+        uint8_t sh[kSectionHeader];
+        if (size - at < kSectionHeader)
+            throw SnapshotError(where + " is truncated: it ends at byte " + std::to_string(size) + ", before section " +
+                                kTags[i]);
+        if (!pread_all(fd, sh, sizeof sh, at, &e)) {
+            if (e) throw std::runtime_error(os_error("cannot read " + where.substr(9), e));
+            throw SnapshotError(where + " is truncated: it ended while it was read");
+        }
+        if (std::memcmp(sh, kTags[i], 4) != 0)
+            throw SnapshotError(where + " is corrupted: section " + std::to_string(i) + " should be " + kTags[i]);
+        uint64_t n = 0;
+        std::memcpy(&t.crc[i], sh + 4, 4);
+        std::memcpy(&n, sh + 8, 8);
+        at += kSectionHeader;
+        if (n > size - at)
+            throw SnapshotError(where + " is truncated: section " + kTags[i] + " holds " + std::to_string(n) +
+                                " bytes, the file has " + std::to_string(size - at) + " left");
+        t.off[i] = at;
+        t.len[i] = n;
+        at += n;
+    }
+    if (at != size) throw SnapshotError(where + " has " + std::to_string(size - at) + " bytes after its last section");
+    if (t.len[HEAD] > kMaxHeadBytes)
+        throw SnapshotError(where + ": section HEAD holds " + std::to_string(t.len[HEAD]) + " bytes, more than a header "
+                            "can (" + std::to_string(kMaxHeadBytes) + ")");
+    return t;
+}
+
+// One section's payload read and its checksum checked (its length already held to a limit).
+std::vector<uint8_t> read_section(int fd, const Table &t, int i, const std::string &where) {
+    std::vector<uint8_t> p(size_t(t.len[i]));
+    int e = 0;
+    if (!pread_all(fd, p.data(), p.size(), t.off[i], &e)) {
+        if (e) throw std::runtime_error(os_error("cannot read " + where.substr(9), e));
+        throw SnapshotError(where + " is truncated: it ended while it was read");
+    }
+    if (crc32(p.data(), p.size()) != t.crc[i])
+        throw SnapshotError(where + " is corrupted: the checksum of section " + kTags[i] + " does not match");
+    return p;
+}
+
+// The file opened for reading: a regular file, its size.
+int open_snapshot(const std::string &path, uint64_t *size) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::runtime_error(os_error("cannot open " + path, errno));
     struct stat st {};
@@ -198,28 +484,51 @@ std::vector<uint8_t> read_file(const std::string &path) {
         ::close(fd);
         throw SnapshotError("snapshot: " + path + " is not a regular file");
     }
-    std::vector<uint8_t> data(size_t(st.st_size));
-    size_t got = 0;
-    while (got < data.size()) {
-        const ssize_t r = ::read(fd, data.data() + got, data.size() - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) {
-            const int e = errno;
-            ::close(fd);
-            throw std::runtime_error(os_error("cannot read " + path, e));
-        }
-        if (r == 0) break;  // shrank while read: the checks below call it truncated
-        got += size_t(r);
-    }
-    ::close(fd);
-    data.resize(got);
-    return data;
+    *size = uint64_t(st.st_size);
+    return fd;
 }
 
-std::string human(uint64_t fp) {
-    char s[17];
-    std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(fp));
-    return s;
+// SnapshotError naming the first header field where the file (h) and the runtime (want) differ.
+void compare_headers(const SnapshotHeader &h, const SnapshotHeader &want, const std::string &model_path) {
+    auto differ = [](const std::string &what, const std::string &file, const std::string &here) {
+        throw SnapshotError("snapshot does not fit this session: " + what + " differs (the file has " + file +
+                            ", this session " + here + ")");
+    };
+    auto num = [&](const char *what, int64_t file, int64_t here) {
+        if (file != here) differ(what, std::to_string(file), std::to_string(here));
+    };
+    if (h.arch != want.arch) differ("the architecture", h.arch, want.arch);
+    if (h.fingerprint != want.fingerprint || h.model_bytes != want.model_bytes)
+        throw SnapshotError("snapshot does not fit this session: it was taken with another model file (fingerprint " +
+                            human(h.fingerprint) + ", " + std::to_string(h.model_bytes) + " bytes; " + model_path +
+                            " is " + human(want.fingerprint) + ", " + std::to_string(want.model_bytes) + " bytes)");
+    if (h.kv_type != want.kv_type) differ("kv_type", h.kv_type, want.kv_type);
+    num("n_layer", h.n_layer, want.n_layer);
+    num("eval_layers", h.eval_layers, want.eval_layers);
+    num("chunk_tokens", h.chunk_tokens, want.chunk_tokens);
+    num("the pool size (pool_tokens)", h.pool_tokens, want.pool_tokens);
+    num("full_cache", h.full_cache, want.full_cache);
+    num("sink_chunks", h.sink_chunks, want.sink_chunks);
+    num("tail_window_chunks", h.tail_window_chunks, want.tail_window_chunks);
+    num("max_ctx", h.max_ctx, want.max_ctx);
+    num("the sliding-window ring (swa_tokens)", h.swa_tokens, want.swa_tokens);
+    num("the sliding-window layers", h.n_swa_layers, want.n_swa_layers);
+    num("capture_queries (the policy's query window)", h.capture_queries, want.capture_queries);
+    num("chunk summaries (policy qk-bound / qk-mean)", h.summaries, want.summaries);
+    num("the paged layers", int64_t(h.paged_layers.size()), int64_t(want.paged_layers.size()));
+    for (size_t i = 0; i < h.paged_layers.size(); ++i) {
+        num("a paged layer's index", h.paged_layers[i], want.paged_layers[i]);
+        num("a paged layer's K row bytes", int64_t(h.row_bytes_k[i]), int64_t(want.row_bytes_k[i]));
+        num("a paged layer's V row bytes", int64_t(h.row_bytes_v[i]), int64_t(want.row_bytes_v[i]));
+    }
+    num("chunk_bytes", int64_t(h.chunk_bytes), int64_t(want.chunk_bytes));
+    for (size_t i = 0; i < h.ring_bytes_k.size(); ++i) {
+        num("a ring layer's K bytes", int64_t(h.ring_bytes_k[i]), int64_t(want.ring_bytes_k[i]));
+        num("a ring layer's V bytes", int64_t(h.ring_bytes_v[i]), int64_t(want.ring_bytes_v[i]));
+    }
+    num("the vocabulary (n_vocab)", h.n_vocab, want.n_vocab);
+    num("a captured query's size", int64_t(h.query_floats), int64_t(want.query_floats));
+    num("a chunk summary's size", int64_t(h.summary_floats), int64_t(want.summary_floats));
 }
 
 }  // namespace
@@ -312,7 +621,22 @@ SnapshotHeader Snapshot::header_of(const Runtime &rt, const ChunkSummaries *summ
         h.row_bytes_k.push_back(pool.k(i)->nb[1]);
         h.row_bytes_v.push_back(pool.v(i)->nb[1]);
     }
+    h.kvflash_version = KVFLASH_VERSION_STRING;
+    h.n_vocab = hp.n_vocab;
+    h.query_floats = uint64_t(pool.n_layers()) * uint64_t(hp.n_head) * uint64_t(hp.head_dim_k);
+    h.summary_floats = uint64_t(pool.n_layers()) * uint64_t(hp.n_embd_k());
+    for (size_t i = 0; i < rt.swa_k_.size(); ++i) {
+        h.ring_bytes_k.push_back(ggml_nbytes(rt.swa_k_[i]));
+        h.ring_bytes_v.push_back(ggml_nbytes(rt.swa_v_[i]));
+    }
     return h;
+}
+
+uint64_t Snapshot::max_file_bytes(const SnapshotHeader &h) {
+    const Limits l = section_limits(h, h.max_ctx);
+    uint64_t n = kPreamble + kSections * kSectionHeader;
+    for (int i = 0; i < kSections; ++i) n += l.max[i];  // each < 2^62: no overflow
+    return n;
 }
 
 void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const SnapshotSession &s,
@@ -321,6 +645,12 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         throw std::invalid_argument("snapshot: the token history has " + std::to_string(s.tokens.size()) +
                                     " tokens, the cache " + std::to_string(rt.n_past()));
     if (path.empty()) throw std::invalid_argument("snapshot: an empty path");
+    if (s.app.size() > kSnapshotMaxAppBytes)
+        throw std::invalid_argument("snapshot: the caller's state is " + std::to_string(s.app.size()) +
+                                    " bytes; a snapshot holds at most " + std::to_string(kSnapshotMaxAppBytes));
+    const std::string sampler_state = s.sampler.state();
+    if (sampler_state.size() > kSnapshotMaxSamplerBytes)
+        throw std::invalid_argument("snapshot: the sampler's state is " + std::to_string(sampler_state.size()) + " bytes");
     const SnapshotHeader h = header_of(rt, summaries);
     const Pager &pg = rt.pager();
     const KVPool &pool = rt.pool();
@@ -342,18 +672,8 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         pre.put<uint32_t>(kSections);
         out.raw(pre.b.data(), pre.b.size());
 
+        out.section(HEAD, head_payload(h));
         Buf b;
-        b.put(h.fingerprint); b.put(h.model_bytes);
-        b.str(h.arch); b.str(h.kv_type);
-        for (int32_t v : {h.n_layer, h.eval_layers, h.chunk_tokens, h.pool_tokens, h.sink_chunks, h.tail_window_chunks,
-                          h.swa_tokens, h.n_swa_layers, h.capture_queries})
-            b.put(v);
-        b.put(h.max_ctx); b.put(h.n_past); b.put(h.chunk_bytes); b.put(h.full_cache); b.put(h.summaries);
-        b.put<uint32_t>(uint32_t(h.paged_layers.size()));
-        for (size_t i = 0; i < h.paged_layers.size(); ++i) {
-            b.put(h.paged_layers[i]); b.put(h.row_bytes_k[i]); b.put(h.row_bytes_v[i]);
-        }
-        out.section(HEAD, b);
 
         b = Buf();
         b.put(pg.n_chunks_); b.put(pg.n_blocks_); b.put(pg.words_); b.put(pg.head_); b.put(pg.tick_);
@@ -417,7 +737,7 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
 
         b = Buf(); b.vec(s.tokens); out.section(TOKS, b);
         b = Buf(); b.vec(s.logits); out.section(LOGT, b);
-        b = Buf(); b.str(s.sampler.state()); out.section(SAMP, b);
+        b = Buf(); b.str(sampler_state); out.section(SAMP, b);
         b = Buf(); b.bytes(s.app.data(), s.app.size()); out.section(APPS, b);
 
         if (::fsync(fd) != 0) throw std::runtime_error(os_error("cannot sync " + tmp, errno));
@@ -438,26 +758,87 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
     }
 }
 
-Snapshot Snapshot::read(const std::string &path) {
+namespace {
+
+// What peek and read do before anything the size of the file is allocated: the preamble and the
+// section table (small reads), the file's size against the caps (the largest snapshot of fit's
+// geometry, the caller's max_bytes), the header (a few KiB) and what it allows each section.
+struct Opened {
+    uint64_t size = 0;
+    Table t;
+    SnapshotHeader head;
+};
+
+Opened open_checked(int fd, uint64_t size, const std::string &where, const Runtime *fit,
+                    const ChunkSummaries *summaries, uint64_t max_bytes) {
+    Opened o;
+    o.size = size;
+    o.t = scan(fd, size, where);
+    uint64_t cap = 0;
+    std::string cap_is;
+    if (fit) {
+        cap = Snapshot::max_file_bytes(Snapshot::header_of(*fit, summaries));
+        cap_is = "the largest snapshot of this session's geometry (" + std::to_string(cap) + " bytes: its pool, " +
+                 "host store, ring and tables at max_ctx, with " + std::to_string(kSnapshotMaxAppBytes >> 20) +
+                 " MiB for the caller's state and " + std::to_string(kSnapshotMaxSamplerBytes >> 20) +
+                 " MiB for the sampler's)";
+    }
+    if (max_bytes > 0 && (cap == 0 || max_bytes < cap)) {
+        cap = max_bytes;
+        cap_is = "the cap of " + std::to_string(max_bytes) + " bytes (max_bytes)";
+    }
+    if (cap > 0 && size > cap) throw SnapshotError(where + " is " + std::to_string(size) + " bytes: more than " + cap_is);
+    const std::vector<uint8_t> head = read_section(fd, o.t, HEAD, where);
+    o.head = parse_head(Cursor{head.data(), head.size(), 0, kTags[HEAD]});
+    check_limits(o.head, o.t.len, where);
+    return o;
+}
+
+}  // namespace
+
+SnapshotPeek Snapshot::peek(const std::string &path, const Runtime *fit, const ChunkSummaries *summaries,
+                            uint64_t max_bytes) {
+    const std::string where = "snapshot " + path;
+    uint64_t size = 0;
+    const Fd f(open_snapshot(path, &size));
+    Opened o = open_checked(f.fd, size, where, fit, summaries, max_bytes);
+    SnapshotPeek p;
+    p.header = std::move(o.head);
+    const std::vector<uint8_t> app = read_section(f.fd, o.t, APPS, where);  // at most kSnapshotMaxAppBytes
+    p.app.assign(app.begin(), app.end());
+    p.file_bytes = size;
+    return p;
+}
+
+Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const ChunkSummaries *summaries,
+                        uint64_t max_bytes) {
+    const std::string where = "snapshot " + path;
     auto body = std::make_shared<Body>();
     Body &B = *body;
-    B.file = read_file(path);
+    {
+        uint64_t size = 0;
+        const Fd f(open_snapshot(path, &size));
+        const Opened o = open_checked(f.fd, size, where, fit, summaries, max_bytes);
+        if (fit) compare_headers(o.head, header_of(*fit, summaries), fit->model().path());
+        // Everything below is checked again on the bytes read: the file may have changed since.
+        B.file.resize(size_t(size));
+        int e = 0;
+        if (!pread_all(f.fd, B.file.data(), B.file.size(), 0, &e)) {
+            if (e) throw std::runtime_error(os_error("cannot read " + path, e));
+            throw SnapshotError(where + " is truncated: it ended while it was read");
+        }
+    }
     const std::vector<uint8_t> &f = B.file;
-    const std::string where = "snapshot " + path;
-    if (f.size() < sizeof kMagic || std::memcmp(f.data(), kMagic, sizeof kMagic) != 0)
-        throw SnapshotError(where + " is not a kvflash snapshot (no KVFLSNAP magic)");
-    if (f.size() < kPreamble) throw SnapshotError(where + " is truncated: " + std::to_string(f.size()) + " bytes");
+    if (f.size() < kPreamble || std::memcmp(f.data(), kMagic, sizeof kMagic) != 0)
+        throw SnapshotError(where + " changed while it was read");
     uint32_t version = 0, n_sec = 0;
     std::memcpy(&version, f.data() + 8, 4);
     std::memcpy(&n_sec, f.data() + 12, 4);
-    if (version != kSnapshotVersion)
-        throw SnapshotError(where + " has format version " + std::to_string(version) + "; this kvflash reads version " +
-                            std::to_string(kSnapshotVersion));
-    if (n_sec != uint32_t(kSections))
-        throw SnapshotError(where + " has " + std::to_string(n_sec) + " sections; format version " +
-                            std::to_string(kSnapshotVersion) + " has " + std::to_string(kSections));
+    if (version != kSnapshotVersion || n_sec != uint32_t(kSections))
+        throw SnapshotError(where + " changed while it was read");
     size_t at = kPreamble;
     size_t off[kSections], len[kSections];
+    uint64_t len64[kSections];
     for (int i = 0; i < kSections; ++i) {
         if (f.size() - at < kSectionHeader)
             throw SnapshotError(where + " is truncated: it ends at byte " + std::to_string(f.size()) + ", before section " +
@@ -476,6 +857,7 @@ Snapshot Snapshot::read(const std::string &path) {
             throw SnapshotError(where + " is corrupted: the checksum of section " + kTags[i] + " does not match");
         off[i] = at;
         len[i] = size_t(n);
+        len64[i] = n;
         at += size_t(n);
     }
     if (at != f.size())
@@ -484,35 +866,9 @@ Snapshot Snapshot::read(const std::string &path) {
 
     Snapshot s;
     SnapshotHeader &h = s.head_;
-    {
-        Cursor c = cur(HEAD);
-        h.fingerprint = c.get<uint64_t>();
-        h.model_bytes = c.get<uint64_t>();
-        h.arch = c.str(64);
-        h.kv_type = c.str(16);
-        for (int32_t *v : {&h.n_layer, &h.eval_layers, &h.chunk_tokens, &h.pool_tokens, &h.sink_chunks,
-                           &h.tail_window_chunks, &h.swa_tokens, &h.n_swa_layers, &h.capture_queries})
-            *v = c.get<int32_t>();
-        h.max_ctx = c.get<int64_t>();
-        h.n_past = c.get<int64_t>();
-        h.chunk_bytes = c.get<uint64_t>();
-        h.full_cache = c.get<uint8_t>();
-        h.summaries = c.get<uint8_t>();
-        const uint32_t nl = c.get<uint32_t>();
-        if (nl == 0 || nl > 65536) c.bad(std::to_string(nl) + " paged layers");
-        for (uint32_t i = 0; i < nl; ++i) {
-            h.paged_layers.push_back(c.get<int32_t>());
-            h.row_bytes_k.push_back(c.get<uint64_t>());
-            h.row_bytes_v.push_back(c.get<uint64_t>());
-        }
-        c.done();
-        if (h.chunk_tokens <= 0 || h.chunk_tokens > 4096) c.bad("chunk_tokens " + std::to_string(h.chunk_tokens));
-        if (h.pool_tokens <= 0 || h.pool_tokens % h.chunk_tokens != 0) c.bad("pool_tokens " + std::to_string(h.pool_tokens));
-        if (h.max_ctx < 1 || h.max_ctx > kMaxContext) c.bad("max_ctx " + std::to_string(h.max_ctx));
-        if (h.n_past < 0 || h.n_past > h.max_ctx) c.bad("n_past " + std::to_string(h.n_past));
-        if (h.sink_chunks < 0 || h.tail_window_chunks < 0 || h.swa_tokens < 0 || h.n_swa_layers < 0)
-            c.bad("a negative count");
-    }
+    h = parse_head(cur(HEAD));
+    check_limits(h, len64, where);
+    if (fit) compare_headers(h, header_of(*fit, summaries), fit->model().path());
     const int32_t C = h.chunk_tokens;
     {
         Cursor c = cur(PAGR);
@@ -585,10 +941,7 @@ Snapshot Snapshot::read(const std::string &path) {
                 c.bad("protected chunk " + std::to_string(ch) + " is not resident");
         }
     }
-    size_t row_bytes = 0;  // one token's K and V over every paged layer
-    for (size_t i = 0; i < h.paged_layers.size(); ++i) row_bytes += size_t(h.row_bytes_k[i] + h.row_bytes_v[i]);
-    if (row_bytes * size_t(C) != h.chunk_bytes)
-        throw SnapshotError(where + ": the header's chunk_bytes disagrees with its row sizes");
+    const size_t row_bytes = size_t(h.chunk_bytes) / size_t(C);  // one token's K and V over every paged layer
     {
         Cursor c = cur(POOL);
         B.pool_blocks = int32_t(c.get<uint32_t>());
@@ -618,6 +971,8 @@ Snapshot Snapshot::read(const std::string &path) {
             c.raw(size_t(B.ring_k_bytes.back()));
             B.ring_v_bytes.push_back(c.get<uint64_t>());
             c.raw(size_t(B.ring_v_bytes.back()));
+            if (B.ring_k_bytes[i] != h.ring_bytes_k[i] || B.ring_v_bytes[i] != h.ring_bytes_v[i])
+                c.bad("a ring layer's size disagrees with the header");
         }
         c.done();
     }
@@ -628,6 +983,8 @@ Snapshot Snapshot::read(const std::string &path) {
         c.done();
         if (B.n_captured < 0 || B.n_captured > h.capture_queries || B.n_captured > h.n_past)
             c.bad(std::to_string(B.n_captured) + " captured queries");
+        if (uint64_t(B.captured.size()) != uint64_t(B.n_captured) * h.query_floats)
+            c.bad("the captured queries' size disagrees with the header");
     }
     {
         Cursor c = cur(SUMM);
@@ -640,6 +997,8 @@ Snapshot Snapshot::read(const std::string &path) {
             B.smean = c.vec<float>();
             if (!B.ready.empty() && B.ready.size() != size_t(B.n_chunks)) c.bad("summaries for a different chunk count");
             if (B.smin.size() != B.smax.size() || B.smin.size() != B.smean.size()) c.bad("summary arrays of unequal size");
+            if (uint64_t(B.smin.size()) != uint64_t(B.ready.size()) * h.summary_floats)
+                c.bad("the summaries' size disagrees with the header");
         }
         c.done();
     }
@@ -652,10 +1011,12 @@ Snapshot Snapshot::read(const std::string &path) {
         Cursor c = cur(LOGT);
         s.sess_.logits = c.vec<float>();
         c.done();
+        if (!s.sess_.logits.empty() && s.sess_.logits.size() != size_t(h.n_vocab))
+            c.bad("logits for another vocabulary size");
     }
     {
         Cursor c = cur(SAMP);
-        const std::string st = c.str(1 << 20);
+        const std::string st = c.str(size_t(kSnapshotMaxSamplerBytes));
         c.done();
         try {
             s.sess_.sampler.set_state(st);
@@ -671,39 +1032,12 @@ Snapshot Snapshot::read(const std::string &path) {
 void Snapshot::check(const Runtime &rt, const ChunkSummaries *summaries) const {
     const SnapshotHeader want = header_of(rt, summaries), &h = head_;
     const Body &B = *body_;
-    auto differ = [](const std::string &what, const std::string &file, const std::string &here) {
-        throw SnapshotError("snapshot does not fit this session: " + what + " differs (the file has " + file +
-                            ", this session " + here + ")");
-    };
+    compare_headers(h, want, rt.model().path());
     auto num = [&](const char *what, int64_t file, int64_t here) {
-        if (file != here) differ(what, std::to_string(file), std::to_string(here));
+        if (file != here)
+            throw SnapshotError("snapshot does not fit this session: " + std::string(what) + " differs (the file has " +
+                                std::to_string(file) + ", this session " + std::to_string(here) + ")");
     };
-    if (h.arch != want.arch) differ("the architecture", h.arch, want.arch);
-    if (h.fingerprint != want.fingerprint || h.model_bytes != want.model_bytes)
-        throw SnapshotError("snapshot does not fit this session: it was taken with another model file (fingerprint " +
-                            human(h.fingerprint) + ", " + std::to_string(h.model_bytes) + " bytes; " +
-                            rt.model().path() + " is " + human(want.fingerprint) + ", " +
-                            std::to_string(want.model_bytes) + " bytes)");
-    if (h.kv_type != want.kv_type) differ("kv_type", h.kv_type, want.kv_type);
-    num("n_layer", h.n_layer, want.n_layer);
-    num("eval_layers", h.eval_layers, want.eval_layers);
-    num("chunk_tokens", h.chunk_tokens, want.chunk_tokens);
-    num("the pool size (pool_tokens)", h.pool_tokens, want.pool_tokens);
-    num("full_cache", h.full_cache, want.full_cache);
-    num("sink_chunks", h.sink_chunks, want.sink_chunks);
-    num("tail_window_chunks", h.tail_window_chunks, want.tail_window_chunks);
-    num("max_ctx", h.max_ctx, want.max_ctx);
-    num("the sliding-window ring (swa_tokens)", h.swa_tokens, want.swa_tokens);
-    num("the sliding-window layers", h.n_swa_layers, want.n_swa_layers);
-    num("capture_queries (the policy's query window)", h.capture_queries, want.capture_queries);
-    num("chunk summaries (policy qk-bound / qk-mean)", h.summaries, want.summaries);
-    num("the paged layers", int64_t(h.paged_layers.size()), int64_t(want.paged_layers.size()));
-    for (size_t i = 0; i < h.paged_layers.size(); ++i) {
-        num("a paged layer's index", h.paged_layers[i], want.paged_layers[i]);
-        num("a paged layer's K row bytes", int64_t(h.row_bytes_k[i]), int64_t(want.row_bytes_k[i]));
-        num("a paged layer's V row bytes", int64_t(h.row_bytes_v[i]), int64_t(want.row_bytes_v[i]));
-    }
-    num("chunk_bytes", int64_t(h.chunk_bytes), int64_t(want.chunk_bytes));
     for (size_t i = 0; i < B.ring_at.size(); ++i) {
         num("a ring layer's K bytes", int64_t(B.ring_k_bytes[i]), int64_t(ggml_nbytes(rt.swa_k_[i])));
         num("a ring layer's V bytes", int64_t(B.ring_v_bytes[i]), int64_t(ggml_nbytes(rt.swa_v_[i])));

@@ -110,41 +110,137 @@ def find_drafter(model_path: Path) -> Optional[Path]:
     return None
 
 
-SNAPSHOT_APP_VERSION = 1   # the layout of the session's own JSON inside a snapshot (its APPS section)
+SNAPSHOT_APP_VERSION = 2   # the layout of the session's own JSON inside a snapshot (its APPS section); 2: no paths
 
 
-def _read_snapshot(path):
+def _check_max_bytes(max_bytes):
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive integer (bytes) or None (no cap of yours), got {max_bytes!r}")
+
+
+def _read_snapshot(path, runtime=None, max_bytes=None):
+    """The core's Snapshot of path, checked against runtime (its geometry caps the file) and max_bytes."""
     p = os.fspath(path)
     if not os.path.exists(p):
         raise FileNotFoundError(f"snapshot {p} does not exist")
-    return _core.Snapshot.read(p)
+    _check_max_bytes(max_bytes)
+    return _core.Snapshot.read(p, runtime=runtime, max_bytes=max_bytes or 0)
 
 
-def _snapshot_app(snap, path) -> dict:
-    """The session's JSON from a snapshot, checked (SnapshotError when it is not ours)."""
-    bad = _core.SnapshotError(f"snapshot {os.fspath(path)} holds no kvflash Session state (it was not written by "
-                              f"Session.save, or by a version this one does not read)")
+def _peek_snapshot(path, runtime=None, max_bytes=None):
+    """(header, app bytes, checked session state) of a snapshot, from small reads (Snapshot.peek; runtime's
+    geometry and max_bytes cap the file's size)."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"snapshot {p} does not exist")
+    _check_max_bytes(max_bytes)
+    head, app_bytes = _core.Snapshot.peek(p, runtime=runtime, max_bytes=max_bytes or 0)
+    return head, app_bytes, _snapshot_app(app_bytes, head, path)
+
+
+def _is_int(v, lo=None, hi=None) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo) and (hi is None or v <= hi))
+
+
+def _opt_int(lo=None, hi=None):
+    return lambda v: v is None or _is_int(v, lo, hi)
+
+
+def _int(lo=None, hi=None):
+    return lambda v: _is_int(v, lo, hi)
+
+
+def _one_of(*vals):
+    return lambda v: isinstance(v, str) and v in vals
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+_I32 = 2**31 - 1
+# Every field of the session's JSON (save() writes exactly these), with the values load/restore accept.
+_APP_CONFIG = {
+    "max_ctx": _int(1, _core.MAX_CONTEXT), "kvflash": _opt_int(1, _core.MAX_CONTEXT), "tau": _int(1, _I32),
+    "kv_type": _one_of("f16", "q8_0", "q4_0"), "chunk_tokens": _int(1, 4096), "sink_chunks": _int(0, _I32),
+    "tail_window_chunks": _int(0, _I32), "ubatch": _int(1, _I32), "reeval_tokens": _int(1, _I32),
+    "seed": _opt_int(0, 2**64 - 1), "allow_long_ctx": _is_bool, "exact": _is_bool,
+    "exact_draft": lambda v: v is None or _is_int(v, 0, MAX_DRAFT), "exact_prefill": _is_bool,
+}
+_APP_QK = {"mode": lambda v: isinstance(v, str) and len(v) <= 64, "n_queries": _int(1, 256),
+           "smooth_width": _int(0, 4096), "aggregate": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
+           "contrast": _opt_int(0, _I32), "spread": _opt_int(0, _I32),
+           "layers": lambda v: v is None or v == "auto" or _is_int(v, 1, _I32), "carry": _opt_int(0, _I32)}
+_APP_DRAFTER = {"n_queries": _int(1, 4096), "smooth_width": _int(0, 4096), "kv_type": _one_of("f16", "q8_0", "q4_0"),
+                "layers": _opt_int(1, _I32), "pool": _opt_int(0, _core.MAX_CONTEXT),
+                "aggregate": _one_of("max", "mean", "mass"), "contrast": _opt_int(0, _I32),
+                "spread": _opt_int(0, _I32)}
+_APP_STATE = {"since_rescore": _int(0, 2**63 - 1), "rescores": _int(0, 2**63 - 1),
+              "last_scores": lambda v: v is None or isinstance(v, list)}
+
+
+def _snapshot_app(app_bytes: bytes, head: dict, path) -> dict:
+    """The session's JSON from a snapshot's APPS section, every field Session.load and restore use held to its
+    type and range and to the core's header (SnapshotError naming the first that is not).  Nothing in it
+    names a file: the model and a drafter are the caller's to give."""
+    where = f"snapshot {os.fspath(path)}"
+
+    def bad(why):
+        return _core.SnapshotError(f"{where}: its session state is malformed: {why}")
+
     try:
-        app = json.loads(snap.app.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise bad from None
-    if not isinstance(app, dict) or app.get("kvflash_session") != SNAPSHOT_APP_VERSION:
-        raise bad
-    try:
-        cfg, pol, st = app["config"], app["policy"], app["state"]
-        ok = (isinstance(cfg, dict) and isinstance(pol, dict) and isinstance(st, dict)
-              # exact mode's settings are optional: snapshots written before them lack them
-              and set(cfg) - {"exact", "exact_draft", "exact_prefill"} == {"max_ctx", "kvflash", "tau", "kv_type", "chunk_tokens",
-                                                          "sink_chunks", "tail_window_chunks", "ubatch",
-                                                          "reeval_tokens", "seed", "allow_long_ctx"}
-              and isinstance(cfg.get("exact", False), bool)
-              and isinstance(cfg.get("exact_prefill", False), bool)
-              and isinstance(st["since_rescore"], int) and isinstance(st["rescores"], int)
-              and (st["last_scores"] is None or isinstance(st["last_scores"], list)))
-    except KeyError:
-        ok = False
-    if not ok:
-        raise bad
+        app = json.loads(app_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _core.SnapshotError(f"{where} holds no kvflash Session state (it was not written by Session.save)") \
+            from None
+    if not isinstance(app, dict) or "kvflash_session" not in app:
+        raise _core.SnapshotError(f"{where} holds no kvflash Session state (it was not written by Session.save)")
+    if app["kvflash_session"] != SNAPSHOT_APP_VERSION:
+        raise _core.SnapshotError(f"{where} holds Session state of layout {app['kvflash_session']!r}; this kvflash "
+                                  f"reads layout {SNAPSHOT_APP_VERSION}")
+
+    def fields(d, spec, what):
+        if not isinstance(d, dict):
+            raise bad(f"{what} is not an object")
+        if set(d) != set(spec):
+            extra, missing = sorted(set(d) - set(spec)), sorted(set(spec) - set(d))
+            raise bad(f"{what} has " + ("unknown field(s) " + ", ".join(map(repr, extra)) if extra else
+                                        "no field(s) " + ", ".join(map(repr, missing))))
+        for k, ok in spec.items():
+            if not ok(d[k]):
+                raise bad(f"{what}.{k} = {d[k]!r} is out of range or of the wrong type")
+
+    fields(app, {"kvflash_session": lambda v: True, "config": lambda v: True, "policy": lambda v: True,
+                 "state": lambda v: True}, "the session state")
+    fields(app["config"], _APP_CONFIG, "config")
+    cfg, st, pol = app["config"], app["state"], app["policy"]
+    fields(st, _APP_STATE, "state")
+    n_chunks = -(-head["max_ctx"] // head["chunk_tokens"])
+    ls = st["last_scores"]
+    if ls is not None and (len(ls) > n_chunks or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         and x == x for x in ls)):
+        raise bad(f"state.last_scores is not a list of at most {n_chunks} numbers")
+    if not isinstance(pol, dict) or not isinstance(pol.get("name"), str) or not 0 < len(pol["name"]) <= 200:
+        raise bad("policy has no name")
+    if pol["name"] == "lru":
+        fields(pol, {"name": lambda v: True}, "policy")
+    elif "qk" in pol:
+        fields(pol, {"name": lambda v: True, "qk": lambda v: True}, "policy")
+        fields(pol["qk"], _APP_QK, "policy.qk")
+    elif "drafter" in pol:
+        fields(pol, {"name": lambda v: v == "drafter", "drafter": lambda v: True}, "policy")
+        fields(pol["drafter"], _APP_DRAFTER, "policy.drafter")
+    else:
+        fields(pol, {"name": lambda v: True, "custom": lambda v: v is True}, "policy")
+    # What builds the session must be what the core's header says the cache is.
+    for k, hk in (("max_ctx", "max_ctx"), ("kv_type", "kv_type"), ("chunk_tokens", "chunk_tokens"),
+                  ("sink_chunks", "sink_chunks"), ("tail_window_chunks", "tail_window_chunks")):
+        if cfg[k] != head[hk]:
+            raise bad(f"config.{k} = {cfg[k]!r} but the cache's header has {head[hk]!r}")
+    if (cfg["kvflash"] is None) != bool(head["full_cache"]) or (
+            cfg["kvflash"] is not None and cfg["kvflash"] != head["pool_tokens"]):
+        raise bad(f"config.kvflash = {cfg['kvflash']!r} but the cache's header has a "
+                  + ("full cache" if head["full_cache"] else f"pool of {head['pool_tokens']} tokens"))
     return app
 
 
@@ -201,7 +297,8 @@ def _policy_spec(policy) -> dict:
                                                 contrast=policy.contrast, spread=policy.spread,
                                                 layers=policy.layers, carry=policy.carry)}
     if isinstance(policy, scoring.DrafterPolicy):
-        return {"name": "drafter", "drafter": dict(path=policy.path, n_queries=policy.n_queries,
+        # no path: a snapshot names no files (the drafter is the loader's to give)
+        return {"name": "drafter", "drafter": dict(n_queries=policy.n_queries,
                                                    smooth_width=policy.smooth_width, kv_type=policy.kv_type,
                                                    layers=policy.layers, pool=policy.pool,
                                                    aggregate=policy.aggregate, contrast=policy.contrast,
@@ -209,19 +306,31 @@ def _policy_spec(policy) -> dict:
     return {"name": policy.name, "custom": True}
 
 
-def _policy_from_spec(spec: dict, drafter, path):
+def _policy_from_spec(spec: dict, drafter, model_path: Path, path):
+    """The policy a snapshot's (checked) spec names.  A drafter is the caller's drafter=, or one found next to
+    the caller's model as Session finds it; never a file the snapshot names."""
     from . import scoring
-    name = spec.get("name")
+    name = spec["name"]
     if name == "lru":
         return LRUPolicy()
-    if "qk" in spec:
-        return scoring.QKPolicy(**spec["qk"])
+    if "qk" not in spec and "drafter" not in spec:
+        raise ValueError(f"snapshot {os.fspath(path)} was taken with the custom policy {name!r}: pass policy= (an "
+                         f"object named {name!r}) to Session.load")
     if "drafter" in spec:
-        kw = dict(spec["drafter"])
-        where = kw.pop("path")
-        return scoring.DrafterPolicy(drafter if drafter is not None else where, **kw)
-    raise ValueError(f"snapshot {os.fspath(path)} was taken with the custom policy {name!r}: pass policy= (an object "
-                     f"named {name!r}) to Session.load")
+        where = resolve_model(drafter) if drafter is not None else find_drafter(model_path)
+        if where is None:
+            raise ValueError(f"snapshot {os.fspath(path)} was taken with the drafter policy and no drafter is next to "
+                             f"{model_path}: pass drafter= (the drafter model) to Session.load (a snapshot names no "
+                             f"files)")
+        if not os.path.exists(where):
+            raise ValueError(f"drafter {where} does not exist")
+    try:
+        if "qk" in spec:
+            return scoring.QKPolicy(**spec["qk"])
+        return scoring.DrafterPolicy(where, **spec["drafter"])
+    except ValueError as e:
+        raise _core.SnapshotError(f"snapshot {os.fspath(path)}: its session state is malformed: the policy's "
+                                  f"settings: {e}") from None
 
 
 class Session:
@@ -803,54 +912,77 @@ class Session:
         it is rebuilt by re-feeding the history at the first rescore after a load.
         """
         with self._using("save"):
-            app = {"kvflash_session": SNAPSHOT_APP_VERSION, "model": str(self.model_path), "config": self._config,
+            # No paths: the model and a drafter are whoever loads it's to give (the header names the model's
+            # fingerprint).
+            app = {"kvflash_session": SNAPSHOT_APP_VERSION, "config": self._config,
                    "policy": _policy_spec(self.policy),
                    "state": {"since_rescore": self.runtime.since_rescore, "rescores": self.runtime.rescores,
                              "last_scores": None if self.last_scores is None else [float(x) for x in self.last_scores]}}
             self.runtime.save_snapshot(os.fspath(path), self.runtime.tokens, self._last_logits,
                                        json.dumps(app).encode())
 
-    def restore(self, path: Union[str, os.PathLike]) -> None:
+    def restore(self, path: Union[str, os.PathLike], *, max_bytes: Optional[int] = None) -> None:
         """Replace this session's context with a snapshot's (``save``).
 
         The snapshot must fit: the same model file (by fingerprint), KV type, chunk geometry,
         pool size, max_ctx and policy; anything else is refused with a ValueError naming what
-        differs (``kvflash.SnapshotError``), as is a truncated or corrupted file, and the
-        session is left exactly as it was.  This session's own schedule settings (tau,
-        reeval_tokens) apply from here on.
+        differs (``kvflash.SnapshotError``), as is a truncated or corrupted file, one larger
+        than a snapshot of this session's geometry can be (or than ``max_bytes``), one of
+        another format version, and one whose session state is malformed; the session is
+        left exactly as it was.  The file's header is checked against this session before
+        the file is read whole.  This session's own schedule settings (tau, reeval_tokens)
+        apply from here on.
         """
         with self._using("restore"):
-            snap = _read_snapshot(path)
-            self._restore(snap, _snapshot_app(snap, path))
+            # the header and the session state first (small reads), the file held to this session's geometry
+            self._check_policy(_peek_snapshot(path, self.runtime, max_bytes)[2])
+            snap = _read_snapshot(path, self.runtime, max_bytes)
+            self._restore(snap, _snapshot_app(snap.app, snap.header, path))
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], model: Union[str, os.PathLike], *,
+    def load(cls, path: Union[str, os.PathLike], model: Union[str, os.PathLike, "_core.Model"], *,
              policy: Union[str, Policy, None] = None, drafter: Union[str, os.PathLike, None] = None,
              threads: Optional[int] = None, device: str = "auto", host: str = "ram",
              host_path: Union[str, os.PathLike, None] = None, max_host_bytes: Optional[int] = None,
-             verbose: bool = False) -> "Session":
+             allow_long_ctx: bool = False, max_bytes: Optional[int] = None, verbose: bool = False) -> "Session":
         """A new Session over ``model`` (a path or a model name) holding a snapshot's context.
 
-        The geometry (max_ctx, pool, KV type, chunks, ubatch, tau) and the policy come from the
-        snapshot; what does not change the state (threads, device, host backing, the host cap)
-        is chosen here.  ``policy``: needed when the snapshot's policy was a custom object (it
-        must have the snapshot's policy name).  Refusals as in ``restore``.
+        The geometry (max_ctx, pool, KV type, chunks, ubatch, tau) and the policy's settings come
+        from the snapshot, each checked for its type and range and against the cache's header
+        before anything is built, and the model file's fingerprint is compared first; what does
+        not change the state (threads, device, host backing, the host cap) is chosen here.  A
+        snapshot names no files: a drafter policy's drafter is ``drafter`` (or one found next to
+        ``model``, as Session finds it).  ``allow_long_ctx``: the caller's, as in Session (a file
+        cannot lift the model's trained context).  ``policy``: needed when the snapshot's policy
+        was a custom object (it must have the snapshot's policy name).  Refusals as in ``restore``.
         """
-        snap = _read_snapshot(path)
-        app = _snapshot_app(snap, path)
-        cfg = dict(app["config"])
+        # The header and the session state alone (small reads), checked before anything is built.
+        head, _, app = _peek_snapshot(path, None, max_bytes)
+        model_path = Path(model.path) if isinstance(model, _core.Model) else resolve_model(model)
+        fp = _core.model_fingerprint(str(model_path))
+        size = os.path.getsize(model_path)
+        if (fp, size) != (head["fingerprint"], head["model_bytes"]):
+            raise _core.SnapshotError(f"snapshot does not fit this session: it was taken with another model file "
+                                      f"(fingerprint {head['fingerprint']:016x}, {head['model_bytes']} bytes; "
+                                      f"{model_path} is {fp:016x}, {size} bytes)")
+        cfg = dict(app["config"], allow_long_ctx=bool(allow_long_ctx))
         if policy is None:
-            policy = _policy_from_spec(app["policy"], drafter, path)
-        s = cls(model, policy=policy, drafter=drafter, threads=threads, device=device, host=host, host_path=host_path,
-                max_host_bytes=max_host_bytes, verbose=verbose, **cfg)
-        s._restore(snap, app)
+            policy = _policy_from_spec(app["policy"], drafter, model_path, path)
+        s = cls(model if isinstance(model, _core.Model) else model_path, policy=policy, drafter=drafter,
+                threads=threads, device=device, host=host, host_path=host_path, max_host_bytes=max_host_bytes,
+                verbose=verbose, **cfg)
+        snap = _read_snapshot(path, s.runtime, max_bytes)   # the same file, read whole and checked again
+        s._restore(snap, _snapshot_app(snap.app, snap.header, path))
         return s
 
-    def _restore(self, snap, app: dict) -> None:
-        want = app["policy"].get("name")
+    def _check_policy(self, app: dict) -> None:
+        want = app["policy"]["name"]
         if want != self.policy.name:
             raise _core.SnapshotError(f"snapshot does not fit this session: the policy differs (the file has "
                                       f"{want!r}, this session {self.policy.name!r})")
+
+    def _restore(self, snap, app: dict) -> None:
+        self._check_policy(app)
         st = app["state"]
         last_scores = None if st["last_scores"] is None else np.asarray(st["last_scores"], dtype=np.float32)
         since, rescores = int(st["since_rescore"]), int(st["rescores"])
