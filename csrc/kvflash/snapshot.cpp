@@ -63,8 +63,9 @@ struct Cursor {
     const uint8_t *p;
     size_t n, at = 0;
     const char *tag;
+    const std::string *where = nullptr;  // "snapshot PATH"
     [[noreturn]] void bad(const std::string &why) const {
-        throw SnapshotError(std::string("snapshot: section ") + tag + " is malformed: " + why);
+        throw SnapshotError((where ? *where : std::string("snapshot")) + ": section " + tag + " is malformed: " + why);
     }
     void need(size_t k) const {
         if (n - at < k) bad("it ends early");
@@ -88,7 +89,7 @@ struct Cursor {
         const uint64_t k = get<uint64_t>();
         if (k > (n - at) / sizeof(T)) bad("an array longer than the section");
         std::vector<T> v(static_cast<size_t>(k));
-        std::memcpy(v.data(), p + at, size_t(k) * sizeof(T));
+        if (k > 0) std::memcpy(v.data(), p + at, size_t(k) * sizeof(T));  // (an empty vector's data() may be null)
         at += size_t(k) * sizeof(T);
         return v;
     }
@@ -789,7 +790,7 @@ Opened open_checked(int fd, uint64_t size, const std::string &where, const Runti
     }
     if (cap > 0 && size > cap) throw SnapshotError(where + " is " + std::to_string(size) + " bytes: more than " + cap_is);
     const std::vector<uint8_t> head = read_section(fd, o.t, HEAD, where);
-    o.head = parse_head(Cursor{head.data(), head.size(), 0, kTags[HEAD]});
+    o.head = parse_head(Cursor{head.data(), head.size(), 0, kTags[HEAD], &where});
     check_limits(o.head, o.t.len, where);
     return o;
 }
@@ -862,7 +863,7 @@ Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const Chunk
     }
     if (at != f.size())
         throw SnapshotError(where + " has " + std::to_string(f.size() - at) + " bytes after its last section");
-    auto cur = [&](int i) { return Cursor{f.data() + off[i], len[i], 0, kTags[i]}; };
+    auto cur = [&](int i) { return Cursor{f.data() + off[i], len[i], 0, kTags[i], &where}; };
 
     Snapshot s;
     SnapshotHeader &h = s.head_;
