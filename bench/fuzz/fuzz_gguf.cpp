@@ -2,7 +2,7 @@
 // through the C API (kvflash_model_load: ggml's gguf parser, then kvflash's key,
 // shape, type and extent checks); a file that loads gets a session and a 4-token eval.
 // Any input may be refused with a message; none may crash, leak or trip ASan/UBSan.
-// Built by bench/fuzz/CMakeLists.txt (clang), run by bench/fuzz_gguf.py.
+// Built by bench/fuzz/CMakeLists.txt (clang), run by bench/fuzz.py --target gguf.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
