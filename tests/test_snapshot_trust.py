@@ -239,6 +239,19 @@ def test_a_crafted_header_with_its_checksum_redone_is_refused(models, saved, tmp
     _refused(target, p, match)
 
 
+@pytest.mark.parametrize("at, fmt, value, match", [
+    (20, "<Q", 2**64 - 1, "the pager's clock at 18446744073709551615"),
+    (29 + 5 * 8, "<q", 2**63 - 1, "a counter at 9223372036854775807"),   # the epoch (the fuzz target's find)
+    (29, "<q", -1, "a counter at -1"),                                     # page_outs
+])
+def test_the_pagers_clock_and_counters_are_held_far_from_overflow(models, saved, tmp_path, at, fmt, value, match):
+    pagr = bytearray(_payload(saved["data"], "PAGR"))
+    struct.pack_into(fmt, pagr, at, value)
+    p = _write(tmp_path, "pagr.kvsnap", _rewrite(saved["data"], "PAGR", bytes(pagr)))
+    target = _Target(models["llama"])
+    _refused(target, p, "section PAGR is malformed: " + match)
+
+
 # ---------------------------------------------------------------- the session's JSON
 
 def _cfg(**kw):

@@ -881,6 +881,11 @@ Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const Chunk
         B.has_scores = c.get<uint8_t>();
         for (int64_t *v : {&B.page_outs, &B.page_ins, &B.clean_skips, &B.bytes_out, &B.bytes_in, &B.epoch})
             *v = c.get<int64_t>();
+        // The pager counts on from these (++tick, epoch + 1, bytes added): far from any overflow.
+        constexpr uint64_t kMaxCount = uint64_t(1) << 62;
+        if (B.tick > kMaxCount) c.bad("the pager's clock at " + std::to_string(B.tick));
+        for (int64_t v : {B.page_outs, B.page_ins, B.clean_skips, B.bytes_out, B.bytes_in, B.epoch})
+            if (v < 0 || uint64_t(v) > kMaxCount) c.bad("a counter at " + std::to_string(v));
         if (B.n_chunks != int32_t((h.max_ctx + C - 1) / C) || B.n_blocks != h.pool_tokens / C ||
             B.words != (C + 63) / 64)
             c.bad("its geometry disagrees with the header");

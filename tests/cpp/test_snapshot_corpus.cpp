@@ -13,6 +13,7 @@
 // is read against both runtimes, any outcome but a fault.  Exit status: the number of wrong outcomes.
 // KVFLASH_CORPUS_VERBOSE=1 prints every refusal's message.
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -216,6 +217,10 @@ std::vector<Case> corruptions(const Bytes &good) {
     with_pagr("n_written + 1", [&](Bytes &p) { put<int32_t>(p, n_written, get<int32_t>(p, n_written) + 1); });
     with_pagr("head + 5", [&](Bytes &p) { put<int64_t>(p, 12, get<int64_t>(p, 12) + 5); });
     with_pagr("n_chunks + 1", [&](Bytes &p) { put<int32_t>(p, 0, nc + 1); });
+    // the clock and the counters the pager goes on from (the fuzz target's first finding: epoch + 1 overflowed)
+    with_pagr("clock 2^64 - 1", [&](Bytes &p) { put<uint64_t>(p, 20, ~uint64_t(0)); });
+    with_pagr("epoch 2^63 - 1", [&](Bytes &p) { put<int64_t>(p, 29 + 5 * 8, INT64_MAX); });
+    with_pagr("page_outs -1", [&](Bytes &p) { put<int64_t>(p, 29, -1); });
     with_pagr("an array longer than the section", [&](Bytes &p) { put<uint64_t>(p, block_of - 8, uint64_t(1) << 40); });
     with_pagr("one byte less", [&](Bytes &p) { p.pop_back(); });
     // sections longer than the header allows, or not parsing
