@@ -52,11 +52,17 @@ def build(build_dir: str, ggml_source: str | None) -> None:
 
 
 def git_facts() -> dict:
+    """kvflash's commit, and whether the tree differs from it outside bench/results/ (results written by
+    runs, this one's included, are not the code under test; they are listed apart)."""
     def git(*a):
         r = subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    status = git("status", "--porcelain")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+        return r.stdout.rstrip("\n") if r.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=all")
+    if status is None:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": None}
+    paths = [line[3:] for line in status.splitlines() if line]
+    results = [p for p in paths if p.startswith("bench/results/")]
+    return {"commit": git("rev-parse", "HEAD"), "dirty": len(paths) > len(results), "changed_results": results}
 
 
 def cpu_model() -> str:
