@@ -374,6 +374,7 @@ int main(int argc, char **argv) {
             }
         }
     }
+    for (const std::string &f : {base, bad, before, after}) std::filesystem::remove(f);
     std::printf("snapshot corpus: %d refused, %d applied (opaque KV bytes), %d regression inputs replayed, %d wrong\n",
                 refused, applied, regressions, wrong);
     return refused < 300 ? 1 : wrong;
