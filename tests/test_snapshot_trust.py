@@ -296,16 +296,20 @@ APP_CASES = {
 }
 
 
+def _case_blob(saved, case):
+    """APP_CASES[case] as the session-state bytes it puts in a snapshot, and the refusal it must meet."""
+    how, match = APP_CASES[case]
+    if isinstance(how, bytes):
+        return how, match
+    app = _app(saved["data"])
+    how(app)
+    return json.dumps(app).encode(), match
+
+
 @pytest.mark.parametrize("case", list(APP_CASES))
 def test_the_session_state_is_checked_before_anything_is_built(models, saved, tmp_path, case):
     import kvflash
-    how, match = APP_CASES[case]
-    if isinstance(how, bytes):
-        blob = how
-    else:
-        app = _app(saved["data"])
-        how(app)
-        blob = json.dumps(app).encode()
+    blob, match = _case_blob(saved, case)
     p = _write(tmp_path, "app.kvsnap", _with_app(saved["data"], blob))
     built = []
 
@@ -322,13 +326,7 @@ def test_the_session_state_is_checked_before_anything_is_built(models, saved, tm
 def test_a_restore_refuses_a_malformed_session_state_and_changes_nothing(models, saved, tmp_path):
     target = _Target(models["llama"])
     for case in ("max_ctx-str", "scores-type", "deep", "layout"):
-        how, match = APP_CASES[case]
-        if isinstance(how, bytes):
-            blob = how
-        else:
-            app = _app(saved["data"])
-            how(app)
-            blob = json.dumps(app).encode()
+        blob, match = _case_blob(saved, case)
         p = _write(tmp_path, case + ".kvsnap", _with_app(saved["data"], blob))
         _refused(target, p, match)
     target.still_works()
