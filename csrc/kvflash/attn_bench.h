@@ -1,4 +1,5 @@
-// The attention bench's harness (csrc/kvflash/attn_bench.cpp, built into the Python module only).
+// The attention op's harnesses (csrc/kvflash/attn_bench.cpp, built into the Python module only): the op
+// once over caller arrays (the tests' window onto the kernel) and the bench's timing loop.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,16 @@
 #include "kvflash/attn_cpu.h"
 
 namespace kvflash {
+
+// The op once over caller arrays (the tests' window onto the kernel): q [n][H][D] f32,
+// k and v n_kv rows of D*Hkv elements of `type`, visible [n][n_kv] (nonzero: the query
+// sees the slot), out [n][H][D].  Throws invalid_argument on bad shapes or types.
+void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
+                         const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
+                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true,
+                         int32_t table_rows = 0);
+// table_rows > 0: the rows are first scattered into chunks of table_rows rows, laid out in a
+// shuffled order, and read through a RowTable (the exact mode's path), zeroed past n_kv.
 
 // The pool attention op alone, for the bench: n_layers independent K/V pools of n_kv
 // slots (random rows of `type`, every slot visible), one decode query per layer, all

@@ -89,14 +89,4 @@ void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
                           int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
                           int64_t n_pos);
 
-// The op once over caller arrays (the tests' window onto the kernel): q [n][H][D] f32,
-// k and v n_kv rows of D*Hkv elements of `type`, visible [n][n_kv] (nonzero: the query
-// sees the slot), out [n][H][D].  Throws invalid_argument on bad shapes or types.
-void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
-                         const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
-                         int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true,
-                         int32_t table_rows = 0);
-// table_rows > 0: the rows are first scattered into chunks of table_rows rows, laid out in a
-// shuffled order, and read through a RowTable (the exact mode's path), zeroed past n_kv.
-
 }  // namespace kvflash
