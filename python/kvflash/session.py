@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import json
 import os
@@ -669,7 +668,7 @@ class Session:
             if not ids:
                 return 0
             self._check_fits(len(ids), self.runtime.n_past)
-            self._eval_prompt(ids, progress, self.runtime.prefill)
+            self._eval_prompt(ids, progress)
             return len(ids)
 
     def _check_fits(self, n: int, n_past: int) -> None:
@@ -677,8 +676,9 @@ class Session:
             raise ValueError(f"prompt of {n} tokens on top of {n_past} in context exceeds "
                              f"max_ctx {self.max_ctx}; raise max_ctx or shorten the prompt")
 
-    def _eval_prompt(self, ids: list[int], progress, verb):
-        """A prompt through the core (verb: runtime.prefill or runtime.continue_to), timed, with progress."""
+    def _eval_prompt(self, ids: list[int], progress, continue_to: Optional[bool] = None):
+        """A prompt through the core, timed, with progress: appended (runtime.prefill), or with continue_to set
+        the context made ids (runtime.continue_to, fresh_logits=continue_to); then the tokens reused."""
         t0 = time.perf_counter()
         outs0 = self.pager.stats["page_outs"]
         hook = None
@@ -686,11 +686,16 @@ class Session:
             def hook(done, total, page_outs):
                 progress(PrefillProgress(done, total, time.perf_counter() - t0, page_outs - outs0, False))
         try:
-            out = verb(np.asarray(ids, dtype=np.int32), progress=hook)
+            arr = np.asarray(ids, dtype=np.int32)
+            if continue_to is None:
+                self.runtime.prefill(arr, progress=hook)
+                out = 0
+            else:
+                out = self.runtime.continue_to(arr, progress=hook, fresh_logits=continue_to)
         finally:
             self._prefill_s += time.perf_counter() - t0
         if progress is not None:
-            n = len(ids) if verb == self.runtime.prefill else len(ids) - out
+            n = len(ids) - out
             progress(PrefillProgress(n, n, time.perf_counter() - t0, self.pager.stats["page_outs"] - outs0, True))
         return out
 
@@ -869,9 +874,7 @@ class Session:
             if not ids:
                 raise ValueError("continue_to: no tokens")
             self._check_fits(len(ids), 0)
-            verb = self.runtime.continue_to if fresh_logits else functools.partial(self.runtime.continue_to,
-                                                                                  fresh_logits=False)
-            return self._eval_prompt(ids, progress, verb)
+            return self._eval_prompt(ids, progress, continue_to=bool(fresh_logits))
 
     def truncate(self, n_tokens: int) -> None:
         """Rewind the context to its first n_tokens (0: reset).  The last kept tokens are read
