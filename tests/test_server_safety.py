@@ -246,7 +246,9 @@ def test_a_huge_prompt_does_not_stall_other_clients(model, endpoint):
                 worst = max(worst, time.perf_counter() - a)
                 time.sleep(0.02)
         _err(out["r"], 400, "context_length_exceeded")
-        assert worst < min(1.0, tok_s / 2), (worst, tok_s)
+        # a blocked event loop would hold /health for the whole tokenization (tok_s, measured here); half of
+        # it, not a wall-clock constant, so a loaded machine slows both sides alike
+        assert worst < tok_s / 2, (worst, tok_s)
     finally:
         srv.stop()
 
