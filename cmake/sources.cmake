@@ -26,4 +26,6 @@ set(KVFLASH_CORE_SOURCES
   ${_kvf_src}/snapshot.cpp
   ${_kvf_src}/speculative.cpp
   ${_kvf_src}/session.cpp
+  ${_kvf_src}/session_file.cpp
+  ${_kvf_src}/json.cpp
   ${_kvf_src}/kvflash_c.cpp)

@@ -264,7 +264,8 @@ class Params(ctypes.Structure):
                 ("tau", ctypes.c_int32), ("qk_queries", ctypes.c_int32), ("reeval_tokens", ctypes.c_int32),
                 ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
                 ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32),
-                ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32)]
+                ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32),
+                ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -290,6 +291,10 @@ def declare(lib):
            "kvflash_continue": (ctypes.c_int, [V, V, I32, ctypes.POINTER(I64), V]),
            "kvflash_rewind": (ctypes.c_int, [V, I64]),
            "kvflash_settle": (ctypes.c_int, [V]),
+           "kvflash_save": (ctypes.c_int, [V, ctypes.c_char_p]),
+           "kvflash_restore": (ctypes.c_int, [V, ctypes.c_char_p, ctypes.c_uint64]),
+           "kvflash_session_load": (V, [V, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]),
+           "kvflash_reset": (ctypes.c_int, [V]),
            "kvflash_session_free": (None, [V]),
            "kvflash_set_seed": (ctypes.c_int, [V, ctypes.c_uint64]),
            "kvflash_n_past": (I64, [V]),
@@ -370,9 +375,10 @@ def test_c_api_and_python_session_are_one_core(tiny):
         more = [int(x) for x in rng.integers(3, 250, 20)]   # fewer than qk's 40 captured queries: the cut re-reads
         V = kvflash.Model({tiny!r}, 1).hparams["n_vocab"]
 
-        def c_run(mode, steps):
+        def c_run(mode, steps, policy="qk", aggregate="peak"):
             q = lib.kvflash_default_params()
-            q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, b"qk", 16
+            q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, policy.encode(), 16
+            q.qk_aggregate = aggregate.encode()
             q.exact = int(mode == "exact")
             q.exact_prefill = int(mode == "exact_prefill")
             s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
@@ -402,9 +408,11 @@ def test_c_api_and_python_session_are_one_core(tiny):
             lib.kvflash_session_free(s)
             return r
 
-        def py_run(mode, steps):
-            s = kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy="qk", tau=16, threads=1, verbose=False, seed=0,
-                                exact=mode == "exact", exact_prefill=mode == "exact_prefill")
+        def py_run(mode, steps, policy="qk", aggregate="peak"):
+            if aggregate != "peak":
+                policy = kvflash.scoring.QKPolicy(aggregate=aggregate)
+            s = kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy=policy, tau=16, threads=1, verbose=False,
+                                seed=0, exact=mode == "exact", exact_prefill=mode == "exact_prefill")
             out = []
             def gen(n):
                 n0 = s.n_past
@@ -420,18 +428,134 @@ def test_c_api_and_python_session_are_one_core(tiny):
             st = s.stats
             return out, reused, s.logits(), st["page_outs"], st["rescores"], st["n_past"]
 
-        for mode in ("pooled", "exact_prefill", "exact"):
-            c, p = c_run(mode, 24), py_run(mode, 24)
+        runs = [("pooled", "qk", "peak"), ("exact_prefill", "qk", "peak"), ("exact", "qk", "peak"),
+                ("lru", "lru", "peak"), ("qk-bound", "qk-bound", "peak"), ("qk-mean", "qk-mean", "peak"),
+                ("qk-chunk", "qk", "chunk"), ("qk-token", "qk", "token")]
+        for mode, policy, agg in runs:
+            c, p = c_run(mode, 24, policy, agg), py_run(mode, 24, policy, agg)
             assert c[0] == p[0], (mode, c[0], p[0])
             assert c[1] == p[1], (mode, "reused", c[1], p[1])
             assert np.array_equal(c[2], p[2]), (mode, "logits", float(np.abs(c[2] - p[2]).max()))
             assert c[5] == p[5], (mode, "n_past", c[5], p[5])
-            assert c[3] > 0 and c[4] >= 3 and 0 < c[1] <= len(ids) + 12, (mode, "paged, rescored, reused", c[1:5:2], c[4])
+            assert c[3] > 0 and (c[4] >= 3) == (policy != "lru") and 0 < c[1] <= len(ids) + 12, \
+                (mode, "paged, rescored, reused", c[1:5:2], c[4])
             if mode != "exact":   # exact rounds: C takes no budget, so its last rounds draft further
                 assert (c[3], c[4]) == (p[3], p[4]), (mode, "page-outs, rescores", c[3:5], p[3:5])
             print(mode, "ok", len(c[0]), c[1], c[3], c[4])
         lib.kvflash_model_free(m)
     """)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("pooled", "exact_prefill", "exact"):
+    for mode in ("pooled", "exact_prefill", "exact", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token"):
         assert f"{mode} ok 72" in proc.stdout, proc.stdout
+
+
+def test_snapshots_cross_the_languages(tiny, tmp_path):
+    """One file format from every client: a snapshot saved through the C API loads in kvflash.Session and
+    continues with the tokens the C session gives after its save, and the reverse (kvflash_session_load and
+    kvflash_restore), for lru, qk and qk-bound (chunk summaries); a corrupt file, another policy and a policy
+    written in Python are refused with the reason, and the refused session is as it was."""
+    d = str(tmp_path)
+    proc = run_python(f"""
+        import ctypes, os
+        import numpy as np
+        import kvflash
+        from kvflash import capi
+        from test_capi import Params, Stats, declare
+        lib = declare(ctypes.CDLL(str(capi.library_path())))
+        err = ctypes.create_string_buffer(1024)
+        m = lib.kvflash_model_load({tiny!r}.encode(), 1, err, 1024)
+        assert m, err.value
+        rng = np.random.default_rng(9)
+        ids = [int(x) for x in rng.integers(3, 250, 900)]
+        arr = lambda x: (ctypes.c_int32 * len(x))(*x)
+
+        def c_new(policy):
+            q = lib.kvflash_default_params()
+            q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, policy.encode(), 16
+            s = lib.kvflash_session_new(m, ctypes.byref(q), err, 1024)
+            assert s, err.value
+            return s
+
+        def c_gen(s, n):
+            out, tok = [], ctypes.c_int32()
+            assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
+            for _ in range(n):
+                out.append(tok.value)
+                nxt = ctypes.c_int32()
+                assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
+                tok = nxt
+            return out
+
+        def py_new(policy):
+            return kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy=policy, tau=16, threads=1, verbose=False)
+
+        def py_gen(s, n):
+            n0 = s.n_past
+            list(s.generate(None, max_tokens=n, ignore_eos=True))
+            return s.tokens[n0:n0 + n]
+
+        for policy in ("lru", "qk", "qk-bound"):
+            # C saves, Python loads
+            c = c_new(policy)
+            assert lib.kvflash_eval(c, arr(ids), len(ids), None) == 0
+            c_gen(c, 12)
+            p1 = os.path.join({d!r}, policy + "-c.kvsnap")
+            assert lib.kvflash_save(c, p1.encode()) == 0, lib.kvflash_last_error(c)
+            want = c_gen(c, 12)
+            s = kvflash.Session.load(p1, {tiny!r}, threads=1)
+            assert s.policy.name == policy and s.n_past == len(ids) + 12, (s.policy.name, s.n_past)
+            assert py_gen(s, 12) == want, (policy, "C -> Python")
+            # Python saves, C loads (a new session) and restores (into one that fits)
+            t = py_new(policy)
+            t.prefill(ids[:700])
+            py_gen(t, 12)
+            p2 = os.path.join({d!r}, policy + "-py.kvsnap")
+            t.save(p2)
+            want = py_gen(t, 12)
+            l = lib.kvflash_session_load(m, p2.encode(), 0, err, 1024)
+            assert l, err.value
+            assert c_gen(l, 12) == want, (policy, "Python -> C load")
+            assert lib.kvflash_restore(c, p2.encode(), 0) == 0, lib.kvflash_last_error(c)
+            assert lib.kvflash_n_past(c) == 712 and c_gen(c, 12) == want, (policy, "Python -> C restore")
+            lib.kvflash_session_free(l)
+            lib.kvflash_session_free(c)
+            print(policy, "round trips ok")
+
+        # refusals: the session refused is as it was
+        c = c_new("qk")
+        assert lib.kvflash_eval(c, arr(ids[:300]), 300, None) == 0
+        raw = open(os.path.join({d!r}, "qk-py.kvsnap"), "rb").read()
+        bad = os.path.join({d!r}, "bad.kvsnap")
+        open(bad, "wb").write(raw[: len(raw) // 2])
+        print("TRUNC", lib.kvflash_restore(c, bad.encode(), 0), lib.kvflash_last_error(c).decode())
+        print("POLICY", lib.kvflash_restore(c, os.path.join({d!r}, "lru-py.kvsnap").encode(), 0),
+              lib.kvflash_last_error(c).decode())
+        print("CAP", lib.kvflash_restore(c, os.path.join({d!r}, "qk-py.kvsnap").encode(), 4096),
+              lib.kvflash_last_error(c).decode())
+        assert lib.kvflash_n_past(c) == 300
+        fresh = c_new("qk")
+        assert lib.kvflash_eval(fresh, arr(ids[:300]), 300, None) == 0
+        assert c_gen(c, 8) == c_gen(fresh, 8), "a refused restore changed the session"
+
+        class Mine:
+            name = "mine"
+            def score(self, view):
+                return None
+        u = py_new(Mine())
+        u.prefill(ids[:200])
+        pu = os.path.join({d!r}, "custom.kvsnap")
+        u.save(pu)
+        err.value = b""
+        print("CUSTOM", lib.kvflash_session_load(m, pu.encode(), 0, err, 1024), err.value.decode())
+        print("LOADBAD", lib.kvflash_session_load(m, bad.encode(), 0, err, 1024), err.value.decode())
+        lib.kvflash_model_free(m)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for policy in ("lru", "qk", "qk-bound"):
+        assert f"{policy} round trips ok" in out, out
+    assert re.search(r"^TRUNC -1 .*snapshot", out, re.M), out
+    assert re.search(r"^POLICY -1 .*the policy differs \(the file has 'lru', this session 'qk'\)", out, re.M), out
+    assert re.search(r"^CAP -1 .*4096", out, re.M), out
+    assert re.search(r"^CUSTOM None .*policy 'mine', which a C session cannot run", out, re.M), out
+    assert re.search(r"^LOADBAD None .*snapshot", out, re.M), out

@@ -111,14 +111,12 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                  SessionConfig sc;
                  sc.runtime = c;
                  sc.seed = seed;
+                 sc.chunk_summaries = chunk_summaries;
                  auto r = std::make_shared<PyRuntime>();
                  r->model = model;
                  r->session = std::make_unique<Session>(model, sc);
                  r->rt = &r->session->runtime();
-                 if (chunk_summaries) {
-                     r->summaries = std::make_shared<ChunkSummaries>();
-                     r->rt->set_observer(r->summaries);
-                 }
+                 r->summaries = r->session->summaries_ptr();
                  // Ctrl-C between the pieces of a long prompt: the runtime takes the evaluated
                  // pieces back and eval raises KeyboardInterrupt (PyErr_CheckSignals set it).
                  r->rt->set_interrupt([] {

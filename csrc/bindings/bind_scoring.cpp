@@ -18,6 +18,21 @@ void bind_scoring(RuntimeClass &cls) {
                  return out;
              }, py::arg("chunk"), py::arg("paged_layer"),
              "Post-RoPE keys of a resident chunk for one paged layer, f32 [chunk_tokens, n_embd_k].")
+        .def("qk_policy_scores", [](PyRuntime &r, int32_t n_chunks, py::dict qk, int32_t n_threads) {
+                 InUse use(&r.busy);
+                 const QkScoring q = qk_settings(qk);
+                 if (r.rt->n_captured() == 0) throw std::invalid_argument("qk scoring: no query captured yet");
+                 py::array_t<float> out(static_cast<py::ssize_t>(std::max(n_chunks, 0)));
+                 if (n_threads <= 0) n_threads = r.model->n_threads();
+                 {
+                     py::gil_scoped_release nogil;
+                     qk_scores(*r.rt, r.summaries.get(), q, out.mutable_data(), n_chunks, n_threads);
+                 }
+                 return out;
+             }, py::arg("n_chunks"), py::arg("qk"), py::kw_only(), py::arg("n_threads") = 0,
+             "The chunk scores the core's qk scorer gives chunks [0, n_chunks) with the qk settings (a dict: mode, "
+             "aggregate, n_queries, contrast, spread, n_layers, carry, smooth_width): what a session configured "
+             "with scorer='qk' ranks by (scoring.h qk_scores).")
         .def("qk_scores", [](PyRuntime &r, const std::string &mode) {
                  InUse use(&r.busy);
                  QKMode m;

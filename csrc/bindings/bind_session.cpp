@@ -60,27 +60,37 @@ Session::ProgressFn progress_fn(PyRuntime &r, const py::object &progress) {
 
 }  // namespace
 
+QkScoring qk_settings(const py::dict &qk) {
+    const py::object mode = qk.contains("mode") ? qk["mode"] : py::str("keys");
+    const py::object agg = qk.contains("aggregate") ? qk["aggregate"] : py::none();
+    QkScoring q = QkScoring::defaults(mode.cast<std::string>(), agg.is_none() ? "" : agg.cast<std::string>());
+    for (auto item : qk) {
+        const std::string k = py::str(item.first);
+        if (k == "mode" || k == "aggregate") continue;
+        const int32_t v = item.second.cast<int32_t>();
+        if (k == "n_queries") q.n_queries = v;
+        else if (k == "contrast") q.contrast = v;
+        else if (k == "spread") q.spread = v;
+        else if (k == "n_layers") q.n_layers = v;
+        else if (k == "carry") q.carry = v;
+        else if (k == "smooth_width") q.smooth_width = v;
+        else throw std::invalid_argument("qk settings are mode, aggregate, n_queries, contrast, spread, n_layers, carry, "
+                                         "smooth_width; got '" + k + "'");
+    }
+    q.validate();
+    return q;
+}
+
 void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
                             bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
-                 else if (scorer == "peak") c.scorer = Scorer::Peak;
+                 else if (scorer == "qk" || scorer == "peak") c.scorer = Scorer::Qk;
                  else if (scorer == "external") c.scorer = Scorer::External;
-                 else throw std::invalid_argument("scorer must be 'none', 'peak' or 'external', got '" + scorer + "'");
-                 PeakScoring p;
-                 for (auto item : qk) {
-                     const std::string k = py::str(item.first);
-                     const int32_t v = item.second.cast<int32_t>();
-                     if (k == "n_queries") p.n_queries = v;
-                     else if (k == "contrast") p.contrast = v;
-                     else if (k == "spread") p.spread = v;
-                     else if (k == "n_layers") p.n_layers = v;
-                     else if (k == "carry") p.carry = v;
-                     else throw std::invalid_argument("qk settings are n_queries, contrast, spread, n_layers, carry; got '" + k + "'");
-                 }
-                 c.peak = p;
+                 else throw std::invalid_argument("scorer must be 'none', 'qk' or 'external', got '" + scorer + "'");
+                 c.qk = qk_settings(qk);
                  c.tau = tau;
                  c.reeval_tokens = reeval_tokens;
                  c.exact = exact;
@@ -91,7 +101,8 @@ void bind_session(RuntimeClass &cls) {
              }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
              py::arg("exact_prefill") = false, py::arg("reread_capture") = false,
-             "The session's scorer ('none': lru; 'peak': qk's peak scoring in the core with the qk settings; "
+             "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
+             "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
              "'external': the callable given to set_scorer), its rescore schedule and exact mode; reread_capture: "
              "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime).")
         .def("set_scorer", [](PyRuntime &r, py::object fn) {

@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "bindings.h"
+#include "kvflash/session_file.h"
 #include "kvflash/snapshot.h"
 
 namespace kvflash::bindings {
@@ -37,6 +38,33 @@ void bind_snapshot(py::module_ &m, RuntimeClass &cls) {
           }, py::arg("path"),
           "64-bit fingerprint of a GGUF file: its size, every byte before the tensor data (header, metadata, the "
           "whole tensor table) and 4 KiB at the start, middle and end of each tensor's data.");
+
+    m.attr("SESSION_LAYOUT") = kSessionLayout;
+    // The whole session through the core (session_file.h): what Session.save / restore / load call.
+    cls.def("save", [](PyRuntime &r, py::object path) {
+            InUse use(&r.busy);
+            const std::string p = py::str(path).cast<std::string>();
+            py::gil_scoped_release nogil;
+            r.session->save(p);
+        }, py::arg("path"),
+        "Write the whole session (the cache, the history, the logits, the sampler and the session's JSON: settings, "
+        "policy, schedule state) to path, atomically.")
+        .def("restore", [](PyRuntime &r, py::object path, uint64_t max_bytes, const std::string &where) {
+            InUse use(&r.busy);
+            const std::string p = py::str(path).cast<std::string>();
+            py::gil_scoped_release nogil;
+            r.session->restore(p, max_bytes, where);
+        }, py::arg("path"), py::kw_only(), py::arg("max_bytes") = 0, py::arg("where") = "",
+        "Replace the session's context with a snapshot's; SnapshotError naming what does not fit, and nothing changed.")
+        .def("set_policy_spec", [](PyRuntime &r, const std::string &spec) {
+            InUse use(&r.busy);
+            r.session->set_policy_spec(spec);
+        }, py::arg("spec"), "The external policy's spec (JSON) a snapshot records ('' : none).")
+        .def_property_readonly("policy_name", [](PyRuntime &r) { return r.session->policy_name(); })
+        .def("app_json", [](PyRuntime &r) {
+            InUse use(&r.busy);
+            return r.session->app_json();
+        }, "The session's JSON a snapshot taken now would hold.");
 
     cls.def("save_snapshot", [](PyRuntime &r, py::object path, py::array tokens, py::object logits, py::bytes app) {
             InUse use(&r.busy);
@@ -105,6 +133,21 @@ ValueError) for every refusal, and a refusal changes nothing.
             return py::array_t<float>(py::ssize_t(l.size()), l.data());
         })
         .def_property_readonly("app", [](const Snapshot &s) { return py::bytes(s.session().app); })
+        .def_static("peek_session", [](py::object path, PyRuntime *r, uint64_t max_bytes, const std::string &where) {
+            const std::string p = py::str(path).cast<std::string>();
+            SnapshotPeek pk;
+            {
+                py::gil_scoped_release nogil;
+                pk = Snapshot::peek(p, r ? r->rt : nullptr, r ? r->summaries.get() : nullptr, max_bytes);
+            }
+            const SessionApp app = parse_session_app(pk.app, pk.header, where.empty() ? "snapshot " + p : where);
+            return py::make_tuple(header_dict(pk.header), app.doc.dump());
+        }, py::arg("path"), py::arg("runtime") = nullptr, py::arg("max_bytes") = 0, py::arg("where") = "",
+        "(header, session JSON) of a snapshot from small reads, the session's JSON checked against the header "
+        "(session_file.h): SnapshotError naming the first field that is wrong.")
+        .def("session_app", [](const Snapshot &s, const std::string &where) {
+            return parse_session_app(s.session().app, s.header(), where).doc.dump();
+        }, py::arg("where"), "The snapshot's session JSON, checked against its header.")
         .def("check", [](const Snapshot &s, PyRuntime &r) {
             InUse use(&r.busy);
             s.check(*r.rt, r.summaries.get());

@@ -55,7 +55,7 @@ struct PyRuntime {
     std::shared_ptr<Model> model;
     std::unique_ptr<Session> session;            // the core session: runtime, sampler, history, logits, schedule
     Runtime *rt = nullptr;                       // session->runtime()
-    std::shared_ptr<ChunkSummaries> summaries;   // chunk_summaries=True: the qk-bound/qk-mean policies' state
+    std::shared_ptr<ChunkSummaries> summaries;   // the session's (chunk_summaries=True): qk-bound / qk-mean's state
 };
 using RuntimeClass = py::class_<PyRuntime, std::shared_ptr<PyRuntime>>;
 
@@ -78,6 +78,9 @@ py::array_t<int32_t, py::array::c_style | py::array::forcecast> token_ids(const 
 std::vector<int32_t> token_copy(const py::array &tokens);
 // Sampling arguments, validated (ValueError naming the bad one).
 SamplerParams sampling(float temperature, int32_t top_k, float top_p, float min_p);
+// A qk settings dict (mode, aggregate, n_queries, contrast, spread, n_layers, carry, smooth_width) as the
+// core's QkScoring, checked; unnamed settings take the mode's defaults.
+QkScoring qk_settings(const py::dict &qk);
 
 void bind_pager(py::module_ &m);
 void bind_model(py::module_ &m);

@@ -48,7 +48,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 8
+#define KVFLASH_API_VERSION 9
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -71,7 +71,9 @@ struct kvflash_params {
     int32_t tail_window_chunks; /* chunks before the append head never evicted (4) */
     int32_t ubatch;             /* prefill ubatch while the prompt fits the pool (512) */
     /* -- since API version 2 -- */
-    const char *policy;         /* "lru" (default: recency) or "qk" (the model's own queries score chunks) */
+    const char *policy;         /* "lru" (default: recency) or "qk" (the model's own queries score chunks);
+                                   since API version 9 also "qk-bound" / "qk-mean" (the last query against
+                                   the sealed chunks' key summaries; the qk_* fields but qk_smooth_width unused) */
     int32_t tau;                /* qk: rescore every max(tau, n_past / 45) decoded tokens (64) */
     int32_t qk_queries;         /* qk: how many of the latest queries score a rescore (8) */
     int32_t reeval_tokens;      /* qk: prompt tokens re-read after a prompt rescore moved chunks (64) */
@@ -91,6 +93,12 @@ struct kvflash_params {
     int32_t exact;              /* 1: exact mode, the full cache's tokens from the paged session (0) */
     int32_t exact_prefill;      /* 1: prompts attend the whole context, decode reads the pool (0) */
     int32_t exact_draft;        /* exact mode: drafts per round, 0 .. 16 (-1: adaptive, the default) */
+    /* -- since API version 9 -- */
+    const char *qk_aggregate;   /* "qk": token scores to chunk scores: "peak" (default: qk_contrast, qk_spread,
+                                   qk_carry apply), "chunk" (each chunk's attention mass), "token" (token scores
+                                   smoothed over qk_smooth_width, a chunk's mean); the latter two ignore contrast,
+                                   spread and carry */
+    int32_t qk_smooth_width;    /* "token": the moving average's width (5) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise
@@ -190,6 +198,21 @@ int kvflash_rewind(kvflash_session *session, int64_t n_past);
  * next calls hand them out).  kvflash_settle drops those not taken yet; kvflash_eval, kvflash_continue
  * and kvflash_rewind settle first.  Without exact mode it does nothing. */
 int kvflash_settle(kvflash_session *session);
+/* Since API version 9, snapshots: the whole session (the cache's rows and chunk table, the host store's
+ * chunks, the history, the last logits, the sampler, the settings and the policy's schedule) in one
+ * versioned, checksummed file, the same format kvflash.Session.save writes: a file saved here loads in
+ * Python and the reverse.  kvflash_save writes atomically (a temporary file beside path, fsynced, renamed;
+ * on failure path is as it was; exact mode settles first).  kvflash_restore replaces the session's context
+ * with the file's when it fits (the same model file, geometry and policy; this session's own schedule
+ * settings stay); anything else (a truncated, corrupted or crafted file, another model, a file over
+ * max_bytes when max_bytes > 0) is KVFLASH_EINVAL with the reason, and the session is as it was.
+ * kvflash_session_load builds a new session over model with the file's settings (NULL and err on refusal;
+ * a snapshot of a policy written in Python, such as the drafter, is refused: load it in Python). */
+int kvflash_save(kvflash_session *session, const char *path);
+int kvflash_restore(kvflash_session *session, const char *path, uint64_t max_bytes);
+kvflash_session *kvflash_session_load(kvflash_model *model, const char *path, uint64_t max_bytes, char *err,
+                                      size_t err_len);
+
 /* Back to an empty context; policy state (scores, the rescore schedule) included. */
 int kvflash_reset(kvflash_session *session);
 

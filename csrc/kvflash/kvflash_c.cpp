@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <new>
@@ -16,6 +17,8 @@
 
 #include "kvflash/limits.h"  // kMaxContext
 #include "kvflash/session.h"
+#include "kvflash/session_file.h"
+#include "kvflash/snapshot.h"
 
 #ifndef KVFLASH_VERSION_STRING
 #define KVFLASH_VERSION_STRING "unknown"
@@ -124,6 +127,18 @@ kvflash_params read_params(const kvflash_params *in) {
     return p;
 }
 
+// The session over model with sc, after what sc asks of the model's placement is checked.
+std::unique_ptr<kvflash_session> new_session(kvflash_model *model, const kvflash::SessionConfig &sc) {
+    if ((sc.exact || sc.exact_prefill) && !model->m->remote_layers().empty())
+        throw std::invalid_argument("params.exact / exact_prefill read the host store in place in one process; "
+                                    "this model has layers on RPC servers");
+    if ((sc.exact || sc.exact_prefill) && model->m->device().name().rfind("cpu", 0) != 0)
+        throw std::invalid_argument("params.exact / exact_prefill verify on the CPU backend");
+    auto s = std::make_unique<kvflash_session>();
+    s->s = std::make_unique<kvflash::Session>(model->m, sc);
+    return s;
+}
+
 }  // namespace
 
 extern "C" {
@@ -152,6 +167,8 @@ kvflash_params kvflash_default_params(void) {
     p.qk_spread = 4;
     p.qk_layers = -1;
     p.qk_carry = 16;
+    p.qk_aggregate = "peak";
+    p.qk_smooth_width = 5;
     p.exact = 0;
     p.exact_prefill = 0;
     p.exact_draft = -1;
@@ -231,8 +248,9 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
     try {
         const kvflash_params p = read_params(params);  // max_ctx: the Runtime checks it (limits.h)
         const std::string policy = p.policy ? p.policy : "lru";
-        if (policy != "lru" && policy != "qk")
-            throw std::invalid_argument("params.policy must be \"lru\" or \"qk\", got \"" + policy + "\"");
+        if (policy != "lru" && policy != "qk" && policy != "qk-bound" && policy != "qk-mean")
+            throw std::invalid_argument("params.policy must be \"lru\" or \"qk\" (or its variants \"qk-bound\", "
+                                        "\"qk-mean\"), got \"" + policy + "\"");
         if (p.tau < 1) throw std::invalid_argument("params.tau must be >= 1, got " + std::to_string(p.tau));
         if (p.qk_queries < 1 || p.qk_queries > 256)
             throw std::invalid_argument("params.qk_queries must be in [1, 256], got " + std::to_string(p.qk_queries));
@@ -261,9 +279,28 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +
                                         std::to_string(p.max_host_bytes));
         c.max_host_bytes = p.max_host_bytes;
-        if (policy == "qk") {
-            sc.scorer = kvflash::Scorer::Peak;
-            sc.peak = {p.qk_queries, p.qk_contrast, p.qk_spread, p.qk_layers < 0 ? -1 : p.qk_layers, p.qk_carry};
+        if (policy != "lru") {
+            const std::string agg = p.qk_aggregate ? p.qk_aggregate : "peak";
+            if (agg != "peak" && agg != "chunk" && agg != "token")
+                throw std::invalid_argument("params.qk_aggregate must be \"peak\", \"chunk\" or \"token\", got \"" +
+                                            agg + "\"");
+            if (p.qk_smooth_width < 0 || p.qk_smooth_width > 4096)
+                throw std::invalid_argument("params.qk_smooth_width must be in [0, 4096], got " +
+                                            std::to_string(p.qk_smooth_width));
+            sc.scorer = kvflash::Scorer::Qk;
+            if (policy == "qk") {
+                sc.qk = kvflash::QkScoring::defaults("keys", agg);
+                sc.qk.n_queries = p.qk_queries;
+                sc.qk.n_layers = p.qk_layers < 0 ? -1 : p.qk_layers;
+                if (sc.qk.aggregate == kvflash::QkAggregate::Peak) {   // the others take no contrast, spread, carry
+                    sc.qk.contrast = p.qk_contrast;
+                    sc.qk.spread = p.qk_spread;
+                    sc.qk.carry = p.qk_carry;
+                }
+            } else {   // the summary modes score the last query alone
+                sc.qk = kvflash::QkScoring::defaults(policy.substr(3));
+            }
+            sc.qk.smooth_width = p.qk_smooth_width;
         }
         sc.tau = p.tau;
         sc.reeval_tokens = p.reeval_tokens;
@@ -273,17 +310,11 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         if (p.exact_draft < -1 || p.exact_draft > kvflash::kMaxDraft)
             throw std::invalid_argument("params.exact_draft must be -1 (adaptive) or in [0, " +
                                         std::to_string(kvflash::kMaxDraft) + "], got " + std::to_string(p.exact_draft));
-        if ((p.exact || p.exact_prefill) && !model->m->remote_layers().empty())
-            throw std::invalid_argument("params.exact / exact_prefill read the host store in place in one process; "
-                                        "this model has layers on RPC servers");
-        if ((p.exact || p.exact_prefill) && model->m->device().name().rfind("cpu", 0) != 0)
-            throw std::invalid_argument("params.exact / exact_prefill verify on the CPU backend");
         sc.exact = p.exact != 0;
         sc.exact_prefill = p.exact_prefill != 0;
         sc.exact_draft = p.exact_draft;
-        auto s = std::make_unique<kvflash_session>();
-        s->s = std::make_unique<kvflash::Session>(model->m, sc);
-        return s.release();
+        sc.allow_long_ctx = c.max_ctx > model->m->hparams().n_ctx_train;   // the C API has always allowed it
+        return new_session(model, sc).release();
     } catch (const std::exception &e) {
         put_err(err, err_len, e.what());
     } catch (...) {
@@ -358,6 +389,51 @@ int kvflash_rewind(kvflash_session *s, int64_t n_past) {
 
 int kvflash_settle(kvflash_session *s) {
     return guarded(s, [&] { s->s->settle(); });
+}
+
+kvflash_session *kvflash_session_load(kvflash_model *model, const char *path, uint64_t max_bytes, char *err,
+                                      size_t err_len) {
+    if (!model || !path) {
+        put_err(err, err_len, "model and path are required");
+        return nullptr;
+    }
+    try {
+        const std::string p = path;
+        const std::string where = "snapshot " + p;
+        // the header and the session state alone (small reads), checked before anything is built
+        const kvflash::SnapshotPeek peek = kvflash::Snapshot::peek(p, nullptr, nullptr, max_bytes);
+        const std::string &mp = model->m->path();
+        const uint64_t fp = kvflash::model_fingerprint(mp), size = uint64_t(std::filesystem::file_size(mp));
+        if (fp != peek.header.fingerprint || size != peek.header.model_bytes)
+            throw kvflash::SnapshotError("snapshot does not fit this model: it was taken with another model file");
+        const kvflash::SessionApp app = kvflash::parse_session_app(peek.app, peek.header, where);
+        if (!app.builtin)
+            throw std::invalid_argument(where + " was taken with the policy '" + app.policy +
+                                        "', which a C session cannot run (its policies: lru, qk, qk-bound, qk-mean)");
+        auto s = new_session(model, app.config);
+        s->s->restore(p, max_bytes, where);   // the same file, read whole and checked again
+        return s.release();
+    } catch (const std::exception &e) {
+        put_err(err, err_len, e.what());
+    } catch (...) {
+        put_err(err, err_len, "unknown error while loading the snapshot");
+    }
+    return nullptr;
+}
+
+int kvflash_save(kvflash_session *s, const char *path) {
+    return guarded(s, [&] {
+        if (!path || !*path) throw std::invalid_argument("save: path must be a non-empty string");
+        s->s->settle();   // exact mode: drafts not handed out leave the cache first
+        s->s->save(path);
+    });
+}
+
+int kvflash_restore(kvflash_session *s, const char *path, uint64_t max_bytes) {
+    return guarded(s, [&] {
+        if (!path || !*path) throw std::invalid_argument("restore: path must be a non-empty string");
+        s->s->restore(path, max_bytes);
+    });
 }
 
 int kvflash_reset(kvflash_session *s) {

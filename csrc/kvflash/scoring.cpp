@@ -478,3 +478,107 @@ void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t
 }
 
 }  // namespace kvflash
+
+namespace kvflash {
+
+QkScoring QkScoring::defaults(const std::string &mode, const std::string &aggregate) {
+    QkScoring q;
+    q.mode = mode;
+    const std::string agg = aggregate.empty() ? (mode == "keys" ? "peak" : "chunk") : aggregate;
+    if (agg == "peak") q.aggregate = QkAggregate::Peak;
+    else if (agg == "chunk") q.aggregate = QkAggregate::Chunk;
+    else if (agg == "token") q.aggregate = QkAggregate::Token;
+    else throw std::invalid_argument("qk aggregate must be 'chunk', 'token' or 'peak', got '" + agg + "'");
+    const bool peak = q.aggregate == QkAggregate::Peak && mode == "keys";
+    if (!peak) q.contrast = q.spread = q.carry = 0;
+    if (mode != "keys") {
+        q.n_queries = 1;
+        q.n_layers = 0;
+    }
+    return q;
+}
+
+const char *QkScoring::aggregate_name() const {
+    switch (aggregate) {
+    case QkAggregate::Peak: return "peak";
+    case QkAggregate::Chunk: return "chunk";
+    default: return "token";
+    }
+}
+
+PeakScoring QkScoring::peak(int32_t n_paged) const {
+    PeakScoring p;
+    p.n_queries = n_queries;
+    p.contrast = contrast;
+    p.spread = spread;
+    p.carry = carry;
+    p.n_layers = n_layers < 0 ? qk_auto_layers(n_paged) : (n_layers == 0 || n_layers > n_paged ? n_paged : n_layers);
+    return p;
+}
+
+void QkScoring::validate() const {
+    if (mode != "keys" && mode != "bound" && mode != "mean")
+        throw std::invalid_argument("qk mode must be one of keys, bound, mean; got '" + mode + "'");
+    if (n_queries < 1 || n_queries > 256)
+        throw std::invalid_argument("n_queries must be an integer in [1, 256], got " + std::to_string(n_queries));
+    if (smooth_width < 0 || smooth_width > 4096)
+        throw std::invalid_argument("qk smooth_width must be in [0, 4096], got " + std::to_string(smooth_width));
+    const bool peak = aggregate == QkAggregate::Peak && mode == "keys";
+    for (auto [what, v] : {std::pair<const char *, int32_t>{"contrast", contrast}, {"spread", spread}, {"carry", carry}}) {
+        if (v < 0 || v > 256)
+            throw std::invalid_argument(std::string("qk ") + what + " must be a token count in [0, 256] (0: off), got " +
+                                        std::to_string(v));
+        if (v && !peak)
+            throw std::invalid_argument(std::string("qk ") + what +
+                                        " works on token scores: use aggregate='peak' (mode 'keys') with it");
+    }
+    if (n_layers < -1)
+        throw std::invalid_argument("qk layers must be 'auto' (-1), a positive layer count or every paged layer (0)");
+    if (mode != "keys" && (n_layers != 0 || n_queries != 1))
+        throw std::invalid_argument("qk layers and n_queries work on the history attention: use mode 'keys' with them");
+}
+
+void qk_scores(const Runtime &rt, const ChunkSummaries *summaries, const QkScoring &q, float *out, int32_t n_chunks,
+               int32_t n_threads) {
+    q.validate();
+    const int32_t n_paged = rt.pool().n_layers();
+    if (q.mode != "keys") {
+        if (!summaries)
+            throw std::invalid_argument("the " + q.name() + " scorer needs the runtime's chunk summaries");
+        summaries->qk_scores(rt, q.mode == "mean" ? QKMode::MEAN : QKMode::BOUND, out, n_chunks);
+        return;
+    }
+    if (q.aggregate == QkAggregate::Peak) {
+        qk_peak_scores(rt, q.peak(n_paged), out, n_chunks, n_threads);
+        return;
+    }
+    const int32_t n_cap = rt.n_captured(), nl = q.peak(n_paged).n_layers;
+    const int32_t first = std::max(0, n_cap - q.n_queries);
+    if (q.aggregate == QkAggregate::Chunk) {
+        history_attention(rt, out, n_chunks, n_threads, true, nullptr, first, n_cap - first, nl);
+        return;
+    }
+    // token scores, a centred moving average of smooth_width (numpy's convolve "same"), a chunk's mean
+    const int64_t n = rt.n_past(), C = rt.config().chunk_tokens;
+    std::vector<float> tok(static_cast<size_t>(n));
+    history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, n_cap - first, nl);
+    std::vector<double> x(tok.begin(), tok.end());
+    const int64_t w = q.smooth_width;
+    if (w > 1 && n > 0) {
+        std::vector<double> pre(size_t(n) + 1, 0.0);
+        for (int64_t i = 0; i < n; ++i) pre[size_t(i) + 1] = pre[size_t(i)] + x[size_t(i)];
+        const int64_t lead = (w - 1) / 2;   // output i is the full convolution's i + lead
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t m = i + lead, lo = std::max<int64_t>(0, m - w + 1), hi = std::min<int64_t>(n - 1, m);
+            x[size_t(i)] = float((pre[size_t(hi) + 1] - pre[size_t(lo)]) / double(w));
+        }
+    }
+    for (int32_t c = 0; c < n_chunks; ++c) {
+        const int64_t a = int64_t(c) * C, b = std::min<int64_t>(n, a + C);
+        double s = 0;
+        for (int64_t i = a; i < b; ++i) s += x[size_t(i)];
+        out[c] = b > a ? float(s / double(b - a)) : 0.0f;
+    }
+}
+
+}  // namespace kvflash

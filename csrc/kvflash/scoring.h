@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvflash/runtime.h"
@@ -93,5 +94,39 @@ inline int32_t peak_capture(const PeakScoring &p) { return p.n_queries + p.contr
 // included), minus the baseline's when contrast > 0 and enough queries are captured, then
 // chunk_peaks with chunk = position / chunk_tokens.  Throws std::invalid_argument on bad params.
 void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads);
+
+// ---- the qk policy and its variants, as one setting: what Python's QKPolicy, the C API's
+// "qk" / "qk-bound" / "qk-mean" and a snapshot's policy.qk describe, scored by the core.
+enum class QkAggregate { Peak, Chunk, Token };
+
+struct QkScoring {
+    // "keys": the captured queries attend over every key of the history (history_attention);
+    // "bound" / "mean": the last query against the sealed chunks' key summaries (ChunkSummaries).
+    std::string mode = "keys";
+    // keys only: "peak" (qk_peak_scores), "chunk" (attention mass per chunk), "token" (token
+    // scores smoothed by a centred moving average of smooth_width, then the mean per chunk)
+    QkAggregate aggregate = QkAggregate::Peak;
+    int32_t n_queries = 8;      // keys: the latest captured queries that score (summaries: 1)
+    int32_t smooth_width = 5;   // "token"'s moving average (recorded whatever the aggregate)
+    int32_t contrast = 32, spread = 4, carry = 16;   // "peak" only (0 for the others)
+    int32_t n_layers = -1;      // keys: the first N paged layers (-1: qk_auto_layers, 0: all)
+
+    // The defaults of a mode and aggregate ("" : the mode's own: peak for keys), as QKPolicy's.
+    static QkScoring defaults(const std::string &mode, const std::string &aggregate = "");
+    // "qk", "qk-bound", "qk-mean".
+    std::string name() const { return mode == "keys" ? "qk" : "qk-" + mode; }
+    const char *aggregate_name() const;
+    bool summaries() const { return mode != "keys"; }
+    // The captured queries the runtime must keep (peak: n_queries + contrast).
+    int32_t capture() const { return mode == "keys" ? n_queries + contrast : 1; }
+    PeakScoring peak(int32_t n_paged) const;   // n_layers resolved for n_paged layers
+    // std::invalid_argument with QKPolicy's messages ("qk contrast works on token scores: ...").
+    void validate() const;
+};
+
+// out: [n_chunks] chunk scores with q's settings (summaries: the runtime's ChunkSummaries, needed
+// by the bound / mean modes).  std::invalid_argument when the runtime cannot score them.
+void qk_scores(const Runtime &rt, const ChunkSummaries *summaries, const QkScoring &q, float *out, int32_t n_chunks,
+               int32_t n_threads);
 
 }  // namespace kvflash

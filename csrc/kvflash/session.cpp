@@ -22,19 +22,7 @@ void SessionConfig::validate() const {
     if (exact_draft < -1 || exact_draft > kMaxDraft)
         throw std::invalid_argument("exact_draft must be -1 (adaptive) or in [0, " + std::to_string(kMaxDraft) +
                                     "], got " + std::to_string(exact_draft));
-    if (scorer == Scorer::Peak) {
-        auto in = [](int32_t v, int32_t lo, int32_t hi, const char *what) {
-            if (v < lo || v > hi)
-                throw std::invalid_argument(std::string("qk ") + what + " must be in [" + std::to_string(lo) + ", " +
-                                            std::to_string(hi) + "], got " + std::to_string(v));
-        };
-        in(peak.n_queries, 1, 256, "n_queries");
-        in(peak.contrast, 0, 256, "contrast");
-        in(peak.spread, 0, 256, "spread");
-        in(peak.carry, 0, 256, "carry");
-        if (peak.n_layers < -1)
-            throw std::invalid_argument("qk n_layers must be -1 (auto), 0 (all paged layers) or a layer count");
-    }
+    if (scorer == Scorer::Qk) qk.validate();
 }
 
 // ------------------------------------------------------------------ SpecStats
@@ -90,10 +78,15 @@ int32_t SpecStats::choose_k() const {
 Session::Session(std::shared_ptr<Model> model, SessionConfig cfg) : model_(std::move(model)), cfg_(std::move(cfg)) {
     if (!model_) throw std::invalid_argument("model is required");
     cfg_.validate();
-    if (cfg_.scorer == Scorer::Peak)
-        cfg_.runtime.capture_queries = std::max(cfg_.runtime.capture_queries, peak_capture(cfg_.peak));
+    if (cfg_.scorer == Scorer::Qk) {
+        cfg_.runtime.capture_queries = std::max(cfg_.runtime.capture_queries, cfg_.qk.capture());
+        cfg_.chunk_summaries = cfg_.chunk_summaries || cfg_.qk.summaries();
+    }
     rt_ = std::make_unique<Runtime>(model_, cfg_.runtime);
-    if (cfg_.scorer == Scorer::Peak && cfg_.peak.n_layers < 0) cfg_.peak.n_layers = qk_auto_layers(rt_->pool().n_layers());
+    if (cfg_.chunk_summaries) {
+        summaries_ = std::make_shared<ChunkSummaries>();
+        rt_->set_observer(summaries_);
+    }
     sampler_.seed(cfg_.seed);
 }
 
@@ -125,13 +118,17 @@ void Session::set_schedule(int32_t tau, int32_t reeval_tokens) {
 void Session::configure(const SessionConfig &c) {
     SessionConfig next = c;
     next.runtime = cfg_.runtime;
+    next.chunk_summaries = cfg_.chunk_summaries;
     next.validate();
-    if (next.scorer == Scorer::Peak) {
-        if (next.peak.n_layers < 0) next.peak.n_layers = qk_auto_layers(rt_->pool().n_layers());
-        if (rt_->config().capture_queries < peak_capture(next.peak))
-            throw std::invalid_argument("the qk scorer reads " + std::to_string(peak_capture(next.peak)) +
+    if (next.scorer == Scorer::Qk) {
+        if (rt_->config().capture_queries < next.qk.capture())
+            throw std::invalid_argument("the qk scorer reads " + std::to_string(next.qk.capture()) +
                                         " captured queries; this runtime captures " +
                                         std::to_string(rt_->config().capture_queries));
+        if (next.qk.summaries() && !summaries_)
+            throw std::invalid_argument("the " + next.qk.name() +
+                                        " scorer reads chunk key summaries; this runtime keeps none (build it with "
+                                        "chunk_summaries)");
     }
     cfg_ = next;
 }
@@ -422,11 +419,9 @@ int32_t Session::rescore() {
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<float> scores;
     bool have = false;
-    if (cfg_.scorer == Scorer::Peak) {
+    if (cfg_.scorer == Scorer::Qk) {
         scores.resize(size_t(n));
-        PeakScoring p = cfg_.peak;
-        if (p.n_layers == 0 || p.n_layers > rt_->pool().n_layers()) p.n_layers = rt_->pool().n_layers();
-        qk_peak_scores(*rt_, p, scores.data(), n, model_->n_threads());
+        qk_scores(*rt_, summaries_.get(), cfg_.qk, scores.data(), n, model_->n_threads());
         have = true;
     } else if (score_fn_) {
         have = score_fn_(n, scores);

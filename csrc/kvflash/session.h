@@ -10,11 +10,14 @@
 //   - the rescore schedule: every max(tau, history / 45) decoded tokens, and once after a prompt
 //     that outgrew the pool (then the prompt's last reeval_tokens are read again over the chosen
 //     residents);
-//   - the scorers: the built-in qk peak scorer, or scores handed in by the client's callback;
+//   - the scorers: qk and its variants built in (QkScoring), or scores handed in by the client's
+//     callback;
 //   - truncate with the capture window read again, and continue_to (longest common prefix with the
 //     history, the rest cut, the new part prefilled);
 //   - exact mode's rounds (drafts over the pool, one exact verification pass) and their draft
-//     length, chosen from the measured acceptance and costs.
+//     length, chosen from the measured acceptance and costs;
+//   - snapshots of the whole session: the runtime's state (snapshot.h) and the session's own JSON
+//     (session_file.h), written and checked here for every client.
 #pragma once
 
 #include <cstdint>
@@ -36,14 +39,14 @@ constexpr int32_t kMaxDraft = 16;   // drafts per exact-mode round, at most
 // What scores the chunks when the schedule says so.
 enum class Scorer {
     None,       // lru: the pager's recency order, nothing scored
-    Peak,       // qk: qk_peak_scores over the captured queries (SessionConfig::peak)
+    Qk,         // qk and its variants, scored in the core (SessionConfig::qk)
     External,   // the client's callback (a policy written in Python, scores from a C program)
 };
 
 struct SessionConfig {
     RuntimeConfig runtime;
     Scorer scorer = Scorer::None;
-    PeakScoring peak;           // Scorer::Peak's settings (n_layers -1: qk_auto_layers, 0: all paged layers)
+    QkScoring qk;               // Scorer::Qk's settings (n_layers -1: qk_auto_layers, 0: all paged layers)
     int32_t tau = 64;           // decoded tokens between rescores, at least
     int32_t reeval_tokens = 64; // a prompt's tail read again after its settling rescore
     uint64_t seed = 0;
@@ -53,6 +56,12 @@ struct SessionConfig {
     // continue_to re-reads the capture window after a cut whatever the scorer: a scoring session
     // (the drafter's cache) whose queries another session scores with
     bool reread_capture = false;
+    // the runtime keeps chunk key summaries (qk-bound / qk-mean need them; implied by those scorers)
+    bool chunk_summaries = false;
+    // recorded in a snapshot for the client that loads it: the caller allowed max_ctx past the
+    // model's trained context; the seed was the caller's (false: none given, seed 0 used)
+    bool allow_long_ctx = false;
+    bool seed_given = true;
     // Throws std::invalid_argument naming the field.
     void validate() const;
 };
@@ -113,7 +122,17 @@ public:
     void set_sample_vocab(int32_t n);
     int32_t sampled_vocab() const;
 
+    // The policy's name: "lru", qk's ("qk", "qk-bound", "qk-mean") or the external policy's spec's.
+    std::string policy_name() const;
+    ChunkSummaries *summaries() { return summaries_.get(); }
+    const ChunkSummaries *summaries() const { return summaries_.get(); }
+    std::shared_ptr<ChunkSummaries> summaries_ptr() const { return summaries_; }
+
     void set_scorer(ScoreFn f) { score_fn_ = std::move(f); }
+    // An external policy's spec, what a snapshot records of it: a JSON object {"name": ..., "custom":
+    // true or {settings}} or {"name": "drafter", "drafter": {...}} (session_file.h checks it).
+    void set_policy_spec(const std::string &json);
+    const std::string &policy_spec() const { return policy_spec_; }
     void set_rewind_hook(RewindFn f) { rewind_fn_ = std::move(f); }
     // Change the schedule's settings (a restored snapshot keeps this session's own).
     void set_schedule(int32_t tau, int32_t reeval_tokens);
@@ -163,7 +182,16 @@ public:
     const std::vector<float> &round_logits() const { return round_logits_; }
     void truncate_cache(int64_t n);   // the cache alone cut to n (no re-read); logits dropped
 
-    // ---- snapshots: what the schedule keeps besides the runtime's own state
+    // ---- snapshots (the file: snapshot.h; the session's JSON in it: session_file.h)
+    // Writes the whole session to path, atomically.
+    void save(const std::string &path) const;
+    // Replaces this session's context with the file's: SnapshotError naming what does not fit (the
+    // geometry, the model file, the policy) or what is wrong with the file, and then nothing changed.
+    // The session's own schedule settings stay.  max_bytes > 0: a cap of the caller's on the file.
+    // where: how errors name the file ("snapshot PATH" when empty).
+    void restore(const std::string &path, uint64_t max_bytes = 0, const std::string &where = "");
+    // The JSON the snapshot's session state section holds for this session now.
+    std::string app_json() const;
     void restore_state(std::vector<int32_t> tokens, std::vector<float> logits, int64_t since_rescore,
                        int64_t rescores, std::vector<float> last_scores);
 
@@ -181,6 +209,8 @@ private:
     std::shared_ptr<Model> model_;
     SessionConfig cfg_;
     std::unique_ptr<Runtime> rt_;
+    std::shared_ptr<ChunkSummaries> summaries_;
+    std::string policy_spec_;          // the external policy's spec (JSON), for snapshots
     Sampler sampler_;
     int32_t sample_vocab_ = 0;
     std::vector<int32_t> tokens_;
