@@ -12,6 +12,7 @@ file(GLOB _kvf_arch_sources CONFIGURE_DEPENDS ${_kvf_src}/arch_*.cpp)
 set(KVFLASH_CORE_SOURCES
   ${KVFLASH_PAGER_SOURCES}
   ${_kvf_src}/pool.cpp
+  ${_kvf_src}/memory.cpp
   ${_kvf_src}/device.cpp
   ${_kvf_src}/model_load.cpp
   ${_kvf_src}/arch.cpp

@@ -87,65 +87,40 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     const HostStore::Backing backing = parse_host_backing(cfg_.host, cfg_.host_path);
     // On CUDA the pool is in device memory: PagedCache installs the async copy engine
     // (cuda::make_pool_mover, ordered against ggml's compute stream by events) and a pinned host slab.
-    cache_ = std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts);
+    paged_ = std::make_unique<PagedMemory>(
+        std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts));
+    memories_.push_back(paged_.get());
     const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size());
-    if (n_swa_layers > 0) init_swa_ring(n_swa_layers, kvt);
-}
-
-// Sliding-window layers keep a ring of their window (plus one piece of new keys),
-// on the model's backend like the pool.
-void Runtime::init_swa_ring(int32_t n_swa_layers, ggml_type kvt) {
-    const Hparams &hp = model_->hparams();
-    // A piece never exceeds max(ubatch, chunk_tokens): the ring must hold the window
-    // before the piece's first query plus the piece itself.
-    const int64_t piece = std::max({cfg_.ubatch, cfg_.chunk_tokens, cfg_.prefill_piece});
-    swa_tokens_ = int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
-                                            (cfg_.max_ctx + 255) / 256 * 256));
-    swa_tokens_ = std::max(swa_tokens_, 256);
-    // one context per device holding ring layers (a remote layer's ring is on its server)
-    std::vector<ggml_backend_buffer_type_t> ctx_buft;
-    for (int32_t il = 0; il < n_eval_layers_; ++il) {
-        if (paged_index_[il] >= 0) continue;
-        ggml_backend_buffer_type_t bt = model_->layer_buft(il);
-        size_t ci = size_t(std::find(ctx_buft.begin(), ctx_buft.end(), bt) - ctx_buft.begin());
-        if (ci == ctx_buft.size()) {
-            ggml_init_params ip{ggml_tensor_overhead() * size_t(2 * n_swa_layers + 1), nullptr, true};
-            ctx_buft.push_back(bt);
-            swa_ctxs_.push_back(ggml_init(ip));
-            if (!swa_ctxs_.back()) throw std::runtime_error("cannot allocate the sliding-window cache's metadata");
+    if (n_swa_layers > 0) {
+        // Sliding-window layers keep a ring of their window plus one piece of new keys, on the
+        // model's backend like the pool (a remote layer's ring on its server).  A piece never exceeds
+        // max(ubatch, chunk_tokens, prefill_piece): the ring holds the window before the piece's first
+        // query plus the piece itself.
+        const int64_t piece = std::max({cfg_.ubatch, cfg_.chunk_tokens, cfg_.prefill_piece});
+        const int32_t R = std::max(256, int32_t(std::min<int64_t>((int64_t(hp.n_swa) + piece + 255) / 256 * 256,
+                                                                  (cfg_.max_ctx + 255) / 256 * 256)));
+        std::vector<ggml_backend_buffer_type_t> ring_bufts;
+        for (int32_t il = 0; il < n_eval_layers_; ++il) {
+            if (paged_index_[il] >= 0) continue;
+            paged_index_[il] = -2 - int32_t(ring_bufts.size());  // -2 - ring index
+            ring_bufts.push_back(model_->layer_buft(il));
         }
-        paged_index_[il] = -2 - int32_t(swa_k_.size());  // -2 - ring index
-        swa_k_.push_back(ggml_new_tensor_2d(swa_ctxs_[ci], kvt, hp.n_embd_k(), swa_tokens_));
-        swa_v_.push_back(ggml_new_tensor_2d(swa_ctxs_[ci], kvt, hp.n_embd_v(), swa_tokens_));
+        ring_ = std::make_unique<SlidingRing>(model_->backend(), R, hp.n_swa, kvt, hp.n_embd_k(), hp.n_embd_v(),
+                                              ring_bufts);
+        memories_.push_back(ring_.get());
     }
-    for (size_t ci = 0; ci < swa_ctxs_.size(); ++ci) {
-        ggml_backend_buffer_t b = ctx_buft[ci] ? ggml_backend_alloc_ctx_tensors_from_buft(swa_ctxs_[ci], ctx_buft[ci])
-                                               : ggml_backend_alloc_ctx_tensors(swa_ctxs_[ci], model_->backend());
-        if (!b) throw std::runtime_error(std::string("cannot allocate the sliding-window cache") +
-                                         (ctx_buft[ci] ? std::string(" on ") + ggml_backend_buft_name(ctx_buft[ci]) : ""));
-        swa_bufs_.push_back(b);
-        ggml_backend_buffer_clear(b, 0);
-    }
-    swa_pos_.assign(swa_tokens_, -1);
 }
 
 Runtime::~Runtime() {
     decode_graph_.reset();
     batch_graph_.reset();
     exact_graph_.reset();
-    cache_.reset();
-    for (ggml_backend_buffer_t b : swa_bufs_) ggml_backend_buffer_free(b);
-    for (ggml_context *c : swa_ctxs_) ggml_free(c);
+    ring_.reset();
+    paged_.reset();
 }
 
-size_t Runtime::swa_bytes() const {
-    size_t n = 0;
-    for (ggml_backend_buffer_t b : swa_bufs_) n += ggml_backend_buffer_get_size(b);
-    return n;
-}
+size_t Runtime::swa_bytes() const { return ring_ ? ring_->device_bytes() : 0; }
 
-// The forward graph for n tokens: the model's family builds embed and layers over
-// the caches set up here, the shared head ends it.  Inputs: tokens [n] i32, pos [n]
 // i32, slots [n] i64 (pool rows), mask [n_kv, n] f16; for sliding layers swa_slots/swa_mask.
 void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, const EvalOptions &opt) {
     const Hparams &hp = model_->hparams();
@@ -170,9 +145,9 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     g.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     g.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv_pool, n);  // attend over the occupied prefix of the pool
     for (ggml_tensor *t : {g.tokens, g.pos, g.slots, g.mask}) ggml_set_input(t);
-    if (swa_tokens_ > 0) {
+    if (ring_) {
         g.swa_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
-        g.swa_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, swa_tokens_, n);
+        g.swa_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, ring_->tokens(), n);
         ggml_set_input(g.swa_slots);
         ggml_set_input(g.swa_mask);
     }
@@ -186,7 +161,7 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
         return p;   // the scale is the family's, set by Forward::attention
     };
     g.attn = params(n_kv_pool);
-    g.attn_swa = params(swa_tokens_);
+    g.attn_swa = params(ring_ ? ring_->tokens() : 0);
     // quant_dots stays off: the query keeps its f32 values (the tiled kernel widens q8_0 / q4_0 keys to
     // f32 instead).  Rounding the query per block as ggml does moved SmolLM2's attention outputs by 1-2%
     // per layer (issue 21's note).
@@ -203,16 +178,17 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     f.n_capture = g.n_capture;
     f.one_row = g.one_row;
     if (g.exact) {
-        const size_t np = size_t(cache_->pool->n_layers());
+        const size_t np = size_t(paged_->pool().n_layers());
         g.tables.assign(np, RowTable{});
         g.attn_exact.assign(np, g.attn);
         for (size_t i = 0; i < np; ++i) g.attn_exact[i].rows = &g.tables[i];
     }
     for (int32_t il = 0; il < n_eval_layers_; ++il) {
         const int32_t pi = paged_index_[il];
-        if (pi >= 0) f.caches.push_back({cache_->pool->k(pi), cache_->pool->v(pi), g.slots, g.mask, n_kv_pool,
+        if (pi >= 0) f.caches.push_back({paged_->pool().k(pi), paged_->pool().v(pi), g.slots, g.mask, n_kv_pool,
                                          g.exact ? &g.attn_exact[pi] : &g.attn, true});
-        else f.caches.push_back({swa_k_[-2 - pi], swa_v_[-2 - pi], g.swa_slots, g.swa_mask, swa_tokens_, &g.attn_swa, false});
+        else f.caches.push_back({ring_->k(-2 - pi), ring_->v(-2 - pi), g.swa_slots, g.swa_mask, ring_->tokens(),
+                                 &g.attn_swa, false});
     }
     const ArchOps &arch = model_->arch();
     ggml_tensor *x = arch.embed(f);
@@ -314,7 +290,7 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         if (tokens[i] < 0 || tokens[i] >= hp.n_vocab)
             throw std::invalid_argument("eval: token id " + std::to_string(tokens[i]) + " outside [0, " +
                                         std::to_string(hp.n_vocab) + ")");
-    const int32_t C = cfg_.chunk_tokens, P = cache_->pool->pool_tokens();
+    const int32_t C = cfg_.chunk_tokens, P = paged_->pool().pool_tokens();
     const int64_t start = n_past_;
     int32_t done = 0;
     // A later piece may fail: the capture window before the eval comes back with the cache.
@@ -360,14 +336,14 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
 
 void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, const EvalOptions &opt) {
     const int64_t pos0 = n_past_;
-    const int32_t P = cache_->pool->pool_tokens();
+    const int32_t P = paged_->pool().pool_tokens();
     std::vector<int32_t> slots(n);
-    if (cache_->pager->alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
+    if (paged_->pager().alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
         throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
     // Attention covers the occupied prefix of the pool, in steps of 256 slots; exact attention covers
     // the context's positions in the same steps (what the full cache's identity placement attends).
     const int32_t n_kv = opt.exact ? int32_t((pos0 + n + 255) / 256 * 256)
-                                   : std::min(P, std::max(256, (cache_->pager->used_extent() + 255) / 256 * 256));
+                                   : std::min(P, std::max(256, (paged_->pager().used_extent() + 255) / 256 * 256));
     Graph *g = nullptr;
     try {
         g = get_graph(n, n_kv, all_logits && n > 1, opt);
@@ -388,9 +364,9 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
         }
         stats_.t_compute_ms += ms_since(t0);
     } catch (...) {
-        // The piece's positions were allocated but never computed: forget them, so the
-        // pager and n_past agree again.
-        cache_->pager->truncate(pos0);
+        // The piece's positions were allocated but never computed: every memory forgets them, so
+        // the pager, the ring and n_past agree again.
+        for (Memory *m : memories_) m->truncate(pos0);
         decode_mask_epoch_ = -1;
         throw;
     }
@@ -405,8 +381,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
 
 // Positions, slots and masks of a piece at [pos0, pos0 + n).
 void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots32, int32_t n_kv) {
-    const Pager &pg = *cache_->pager;
-    const int32_t P = cache_->pool->pool_tokens();
+    const Pager &pg = paged_->pager();
+    const int32_t P = paged_->pool().pool_tokens();
     std::vector<int32_t> pos(n);
     std::vector<int64_t> pos64(n), slots(n);
     for (int32_t i = 0; i < n; ++i) {
@@ -434,21 +410,10 @@ void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots3
         ggml_backend_tensor_set(g.mask, mask.data(), 0, sizeof(uint16_t) * size_t(n_kv) * n);
         decode_mask_epoch_ = -1;
     }
-    if (swa_tokens_ == 0) return;
-    const int32_t R = swa_tokens_, W = model_->hparams().n_swa;
+    if (!ring_) return;
     std::vector<int64_t> rs(n);
-    for (int32_t i = 0; i < n; ++i) {
-        rs[i] = (pos0 + i) % R;
-        swa_pos_[rs[i]] = pos0 + i;
-    }
-    std::vector<uint16_t> mask(size_t(R) * n);
-    for (int32_t i = 0; i < n; ++i) {
-        const int64_t qp = pos0 + i;
-        for (int32_t s = 0; s < R; ++s) {
-            const int64_t p = swa_pos_[s];
-            mask[size_t(i) * R + s] = (p >= 0 && p <= qp && qp - p < W) ? 0x0000 : 0xFC00;
-        }
-    }
+    std::vector<uint16_t> mask(size_t(ring_->tokens()) * n);
+    ring_->place(pos0, n, rs.data(), mask.data());
     ggml_backend_tensor_set(g.swa_slots, rs.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(g.swa_mask, mask.data(), 0, sizeof(uint16_t) * mask.size());
 }
@@ -476,8 +441,8 @@ void Runtime::keep_captured(const Graph &g, int32_t cap) {
 // chunk is resident, else its host-store copy: [layer][K rows][V rows] in a host chunk), and the
 // causal mask over positions.  After alloc_span, so the piece's evictions are already in the store.
 void Runtime::set_exact_rows(Graph &g, int64_t pos0, int32_t n) {
-    Pager &pg = *cache_->pager;
-    const KVPool &pool = *cache_->pool;
+    Pager &pg = paged_->pager();
+    const KVPool &pool = paged_->pool();
     const int32_t C = cfg_.chunk_tokens, n_kv = g.n_kv, nch = (n_kv + C - 1) / C;
     size_t widest = 0;   // the stand-in chunk is sized once, before any table points into it
     for (size_t pi = 0; pi < g.tables.size(); ++pi)
@@ -512,7 +477,7 @@ void Runtime::set_exact_rows(Graph &g, int64_t pos0, int32_t n) {
 void Runtime::check_remote_ops(int32_t n) {
     if (n < 1) throw std::invalid_argument("check_remote_ops: need at least one token");
     Graph g;
-    build(g, n, std::min(cache_->pool->pool_tokens(), 256), false, EvalOptions{});
+    build(g, n, std::min(paged_->pool().pool_tokens(), 256), false, EvalOptions{});
     check_rpc_graph(g.gf);
 }
 
@@ -529,7 +494,7 @@ void Runtime::trim_captured() {
     n_captured_ = cap;
 }
 
-int32_t Runtime::captured_layers() const { return cache_->pool->n_layers(); }  // the paged layers evaluated
+int32_t Runtime::captured_layers() const { return paged_->pool().n_layers(); }  // the paged layers evaluated
 
 void Runtime::set_captured(std::vector<float> q, int32_t k) {
     const Hparams &hp = model_->hparams();
@@ -549,10 +514,9 @@ void Runtime::set_captured(std::vector<float> q, int32_t k) {
 void Runtime::truncate(int64_t n_past) {
     if (n_past < 0 || n_past > n_past_)
         throw std::out_of_range("truncate: n_past must be in [0, " + std::to_string(n_past_) + "]");
-    if (swa_tokens_ > 0 && n_past_ - n_past > int64_t(swa_tokens_) - model_->hparams().n_swa)
-        throw std::invalid_argument("truncate: the sliding-window ring no longer holds the window before position " +
-                                    std::to_string(n_past) + "; reset and evaluate the prefix again");
-    cache_->pager->truncate(n_past);
+    for (const Memory *m : memories_)   // every memory can go back that far, or nothing changes
+        if (n_past_ - n_past > m->max_rewind()) throw std::invalid_argument(m->rewind_refusal(n_past));
+    for (Memory *m : memories_) m->truncate(n_past);
     if (observer_) observer_->truncated(*this, n_past);
     // Captured queries at positions >= n_past go with the cache; the window keeps its start.
     if (n_captured_ > 0) {
@@ -569,27 +533,26 @@ void Runtime::truncate(int64_t n_past) {
             n_captured_ = keep;
         }
     }
-    for (auto &p : swa_pos_)
-        if (p >= n_past) p = -1;
     n_past_ = n_past;
     decode_mask_epoch_ = -1;
 }
 
 int64_t Runtime::max_rewind() const {
-    return swa_tokens_ > 0 ? int64_t(swa_tokens_) - model_->hparams().n_swa : std::numeric_limits<int64_t>::max();
+    int64_t r = std::numeric_limits<int64_t>::max();
+    for (const Memory *m : memories_) r = std::min(r, m->max_rewind());
+    return r;
 }
 
 void Runtime::reset() {
-    cache_->pager->reset();
+    for (Memory *m : memories_) m->reset();
     if (observer_) observer_->truncated(*this, 0);
     n_captured_ = 0;
-    std::fill(swa_pos_.begin(), swa_pos_.end(), -1);
     n_past_ = 0;
     decode_mask_epoch_ = -1;
 }
 
 void Runtime::sync_for_host_read() const {
-    cache_->pool->fence();                       // queued page-outs/ins done (copy stream)
+    paged_->pool().fence();                       // queued page-outs/ins done (copy stream)
     ggml_backend_synchronize(model_->backend()); // queued kernels done (compute stream)
 }
 
@@ -599,11 +562,11 @@ void Runtime::chunk_keys(int32_t c, int32_t il, float *out) const {
 }
 
 void Runtime::chunk_keys_synced(int32_t c, int32_t il, float *out) const {
-    const Pager &pg = *cache_->pager;
+    const Pager &pg = paged_->pager();
     const int32_t C = cfg_.chunk_tokens, b = pg.block_of(c);
     if (b < 0) throw std::invalid_argument("chunk_keys: chunk " + std::to_string(c) + " is not resident");
-    if (il < 0 || il >= cache_->pool->n_layers()) throw std::out_of_range("chunk_keys: bad paged layer");
-    ggml_tensor *k = cache_->pool->k(il);
+    if (il < 0 || il >= paged_->pool().n_layers()) throw std::out_of_range("chunk_keys: bad paged layer");
+    ggml_tensor *k = paged_->pool().k(il);
     const int64_t E = k->ne[0];
     std::vector<uint8_t> raw(size_t(C) * k->nb[1]);
     ggml_backend_tensor_get(k, raw.data(), size_t(b) * C * k->nb[1], raw.size());

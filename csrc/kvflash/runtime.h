@@ -21,6 +21,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "kvflash/model.h"
+#include "kvflash/memory.h"
 #include "kvflash/pool.h"
 
 namespace kvflash {
@@ -119,11 +120,15 @@ public:
     const Model &model() const { return *model_; }
     const RuntimeConfig &config() const { return cfg_; }
     bool full_cache() const { return full_cache_; }
-    Pager &pager() { return *cache_->pager; }
-    const Pager &pager() const { return *cache_->pager; }
-    KVPool &pool() { return *cache_->pool; }
-    const KVPool &pool() const { return *cache_->pool; }
+    Pager &pager() { return paged_->pager(); }
+    const Pager &pager() const { return paged_->pager(); }
+    KVPool &pool() { return paged_->pool(); }
+    const KVPool &pool() const { return paged_->pool(); }
     size_t swa_bytes() const;         // sliding-window ring bytes (not paged)
+    // The memories (memory.h): the paged KV first, then the sliding-window ring when the model has one.
+    const std::vector<Memory *> &memories() const { return memories_; }
+    SlidingRing *ring() { return ring_.get(); }
+    const SlidingRing *ring() const { return ring_.get(); }
     const RuntimeStats &stats() const { return stats_; }
 
     // Post-RoPE keys of chunk c for paged layer index il, dequantized to f32:
@@ -164,7 +169,7 @@ public:
     void check_remote_ops(int32_t n);
 
 private:
-    friend class Snapshot;   // snapshot.cpp: the ring, n_past and the captured queries
+    friend class Snapshot;   // snapshot.cpp: n_past and the captured queries
     struct Graph;
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt);
     bool use_pool_attn(int32_t n) const;
@@ -174,21 +179,16 @@ private:
     void set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots, int32_t n_kv);
     void set_exact_rows(Graph &g, int64_t pos0, int32_t n);   // the row tables and causal mask of an exact piece
     void keep_captured(const Graph &g, int32_t cap);
-    void init_swa_ring(int32_t n_swa_layers, ggml_type kvt);
     bool remote() const { return !model_->remote_layers().empty(); }
 
     std::shared_ptr<Model> model_;
     RuntimeConfig cfg_;
     bool full_cache_ = false;
     int32_t n_eval_layers_ = 0;           // layers evaluated (all, or eval_layers)
-    std::unique_ptr<PagedCache> cache_;
+    std::unique_ptr<PagedMemory> paged_;  // the paged layers' KV: pool, pager, host store
+    std::unique_ptr<SlidingRing> ring_;   // the sliding-window layers' ring (gemma3), or none
+    std::vector<Memory *> memories_;      // each of the above that exists: truncate and reset ask them all
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
-    // sliding-window ring (gemma3): [n_embd_k, swa_tokens] per sliding layer
-    int32_t swa_tokens_ = 0;
-    std::vector<ggml_context *> swa_ctxs_;        // one per device holding ring layers
-    std::vector<ggml_backend_buffer_t> swa_bufs_;
-    std::vector<ggml_tensor *> swa_k_, swa_v_;
-    std::vector<int64_t> swa_pos_;
     std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;
     std::vector<char> zero_rows_;         // a chunk of zero rows: the row tables' stand-in for unwritten chunks
     std::vector<uint16_t> decode_mask_;

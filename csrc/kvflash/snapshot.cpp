@@ -609,8 +609,8 @@ SnapshotHeader Snapshot::header_of(const Runtime &rt, const ChunkSummaries *summ
     h.pool_tokens = pool.pool_tokens();
     h.sink_chunks = rt.pager().config().sink_chunks;
     h.tail_window_chunks = rt.pager().config().tail_window_chunks;
-    h.swa_tokens = rt.swa_tokens_;
-    h.n_swa_layers = int32_t(rt.swa_k_.size());
+    h.swa_tokens = (rt.ring() ? rt.ring()->tokens() : 0);
+    h.n_swa_layers = (rt.ring() ? rt.ring()->n_layers() : 0);
     h.capture_queries = c.capture_queries;
     h.max_ctx = c.max_ctx;
     h.n_past = rt.n_past();
@@ -626,9 +626,9 @@ SnapshotHeader Snapshot::header_of(const Runtime &rt, const ChunkSummaries *summ
     h.n_vocab = hp.n_vocab;
     h.query_floats = uint64_t(pool.n_layers()) * uint64_t(hp.n_head) * uint64_t(hp.head_dim_k);
     h.summary_floats = uint64_t(pool.n_layers()) * uint64_t(hp.n_embd_k());
-    for (size_t i = 0; i < rt.swa_k_.size(); ++i) {
-        h.ring_bytes_k.push_back(ggml_nbytes(rt.swa_k_[i]));
-        h.ring_bytes_v.push_back(ggml_nbytes(rt.swa_v_[i]));
+    for (int32_t i = 0; rt.ring() && i < rt.ring()->n_layers(); ++i) {
+        h.ring_bytes_k.push_back(ggml_nbytes(rt.ring()->k(int32_t(i))));
+        h.ring_bytes_v.push_back(ggml_nbytes(rt.ring()->v(int32_t(i))));
     }
     return h;
 }
@@ -709,13 +709,13 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         out.end();
 
         out.begin(RING);
-        const uint32_t rl = uint32_t(rt.swa_k_.size());
+        const uint32_t rl = uint32_t(rt.ring() ? rt.ring()->n_layers() : 0);
         out.put(&rl, sizeof rl);
-        const uint64_t np = rt.swa_pos_.size();
+        const uint64_t np = rt.ring() ? rt.ring()->positions().size() : 0;
         out.put(&np, sizeof np);
-        out.put(rt.swa_pos_.data(), np * sizeof(int64_t));
+        if (np) out.put(rt.ring()->positions().data(), np * sizeof(int64_t));
         for (uint32_t i = 0; i < rl; ++i)
-            for (ggml_tensor *t : {rt.swa_k_[i], rt.swa_v_[i]}) {
+            for (ggml_tensor *t : {rt.ring()->k(int32_t(i)), rt.ring()->v(int32_t(i))}) {
                 const uint64_t n = ggml_nbytes(t);
                 out.put(&n, sizeof n);
                 rows.resize(size_t(n));
@@ -1045,8 +1045,8 @@ void Snapshot::check(const Runtime &rt, const ChunkSummaries *summaries) const {
                                 std::to_string(file) + ", this session " + std::to_string(here) + ")");
     };
     for (size_t i = 0; i < B.ring_at.size(); ++i) {
-        num("a ring layer's K bytes", int64_t(B.ring_k_bytes[i]), int64_t(ggml_nbytes(rt.swa_k_[i])));
-        num("a ring layer's V bytes", int64_t(B.ring_v_bytes[i]), int64_t(ggml_nbytes(rt.swa_v_[i])));
+        num("a ring layer's K bytes", int64_t(B.ring_k_bytes[i]), int64_t(ggml_nbytes(rt.ring()->k(int32_t(i)))));
+        num("a ring layer's V bytes", int64_t(B.ring_v_bytes[i]), int64_t(ggml_nbytes(rt.ring()->v(int32_t(i)))));
     }
     const Hparams &hp = rt.model().hparams();
     const size_t q_per = size_t(rt.pool().n_layers()) * hp.n_head * hp.head_dim_k;
@@ -1121,11 +1121,11 @@ void Snapshot::apply(Runtime &rt, ChunkSummaries *summaries) const {
             rows += n;
         }
     for (size_t i = 0; i < B.ring_at.size(); ++i) {
-        ggml_backend_tensor_set(rt.swa_k_[i], f + B.ring_at[i], 0, size_t(B.ring_k_bytes[i]));
-        ggml_backend_tensor_set(rt.swa_v_[i], f + B.ring_at[i] + B.ring_k_bytes[i] + sizeof(uint64_t), 0,
+        ggml_backend_tensor_set(rt.ring()->k(int32_t(i)), f + B.ring_at[i], 0, size_t(B.ring_k_bytes[i]));
+        ggml_backend_tensor_set(rt.ring()->v(int32_t(i)), f + B.ring_at[i] + B.ring_k_bytes[i] + sizeof(uint64_t), 0,
                                 size_t(B.ring_v_bytes[i]));
     }
-    if (!B.ring_at.empty()) rt.swa_pos_ = B.swa_pos;
+    if (!B.ring_at.empty()) rt.ring()->set_positions(B.swa_pos);
     rt.n_past_ = h.n_past;
     rt.captured_q_ = B.captured;
     rt.n_captured_ = B.n_captured;
