@@ -6,6 +6,8 @@
   --target snapshot  snapshot files read, checked and applied against tiny runtimes
                      (bench/fuzz/fuzz_snapshot.cpp over tests/snapshot_models.py's models), seeded with
                      snapshots the target writes of each runtime at a few states
+  --target session   the session's JSON inside a snapshot, checked against a header, and the JSON parser's
+                     round trip (bench/fuzz/fuzz_session.cpp), seeded with a document of each policy form
 
 Builds bench/fuzz (every core source, cmake/sources.cmake, instrumented for coverage and ASan/UBSan), runs
 the target for --runs executions or --max-time seconds, and records what libFuzzer reports: executions,
@@ -17,7 +19,7 @@ Needs clang with libFuzzer (Debian: apt-get install clang).  The ggml source is 
 uses (-DKVFLASH_GGML_SOURCE, or the pinned download).  Only the standard library: CI runs it with a
 bare Python.
 
-Usage: python bench/fuzz.py --target gguf|snapshot [--runs N | --max-time S] [--seed 1] [--build build-fuzz]
+Usage: python bench/fuzz.py --target gguf|snapshot|session [--runs N | --max-time S] [--seed 1] [--build build-fuzz]
                             [--out DIR] [--keep-findings]
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ("gguf", "snapshot")
+TARGETS = ("gguf", "snapshot", "session")
 
 
 def build(build_dir: str, ggml_source: str | None) -> None:

@@ -27,6 +27,7 @@ set(KVFLASH_CORE_SOURCES
   ${_kvf_src}/snapshot.cpp
   ${_kvf_src}/speculative.cpp
   ${_kvf_src}/session.cpp
+  ${_kvf_src}/drafter.cpp
   ${_kvf_src}/session_file.cpp
   ${_kvf_src}/json.cpp
   ${_kvf_src}/kvflash_c.cpp)

@@ -481,6 +481,40 @@ void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t
 
 namespace kvflash {
 
+void moving_average(std::vector<double> &x, int32_t width) {
+    const int64_t n = int64_t(x.size()), w = width;
+    if (w <= 1 || n == 0) return;
+    std::vector<double> pre(size_t(n) + 1, 0.0);
+    for (int64_t i = 0; i < n; ++i) pre[size_t(i) + 1] = pre[size_t(i)] + x[size_t(i)];
+    const int64_t lead = (w - 1) / 2;   // output i is the full convolution's i + lead
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t m = i + lead, lo = std::max<int64_t>(0, m - w + 1), hi = std::min<int64_t>(n - 1, m);
+        x[size_t(i)] = float((pre[size_t(hi) + 1] - pre[size_t(lo)]) / double(w));
+    }
+}
+
+void chunk_means(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
+                 int32_t smooth_width, float *out) {
+    if (n < 0 || n_chunks < 0 || spread < 0) throw std::invalid_argument("chunk_means: n, n_chunks, spread >= 0");
+    std::vector<double> y(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+        double m = x[i];
+        for (int64_t j = std::max<int64_t>(0, i - spread); j <= std::min<int64_t>(n - 1, i + spread); ++j)
+            m = std::max(m, x[j]);
+        y[size_t(i)] = m;
+    }
+    moving_average(y, smooth_width);
+    std::vector<double> sum(size_t(n_chunks), 0.0);
+    std::vector<int64_t> cnt(size_t(n_chunks), 0);
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t c = chunk_of[i];
+        if (c < 0 || c >= n_chunks) continue;
+        sum[size_t(c)] += y[size_t(i)];
+        ++cnt[size_t(c)];
+    }
+    for (int32_t c = 0; c < n_chunks; ++c) out[c] = float(sum[size_t(c)] / double(std::max<int64_t>(cnt[size_t(c)], 1)));
+}
+
 QkScoring QkScoring::defaults(const std::string &mode, const std::string &aggregate) {
     QkScoring q;
     q.mode = mode;
@@ -563,16 +597,7 @@ void qk_scores(const Runtime &rt, const ChunkSummaries *summaries, const QkScori
     std::vector<float> tok(static_cast<size_t>(n));
     history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, n_cap - first, nl);
     std::vector<double> x(tok.begin(), tok.end());
-    const int64_t w = q.smooth_width;
-    if (w > 1 && n > 0) {
-        std::vector<double> pre(size_t(n) + 1, 0.0);
-        for (int64_t i = 0; i < n; ++i) pre[size_t(i) + 1] = pre[size_t(i)] + x[size_t(i)];
-        const int64_t lead = (w - 1) / 2;   // output i is the full convolution's i + lead
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t m = i + lead, lo = std::max<int64_t>(0, m - w + 1), hi = std::min<int64_t>(n - 1, m);
-            x[size_t(i)] = float((pre[size_t(hi) + 1] - pre[size_t(lo)]) / double(w));
-        }
-    }
+    moving_average(x, q.smooth_width);
     for (int32_t c = 0; c < n_chunks; ++c) {
         const int64_t a = int64_t(c) * C, b = std::min<int64_t>(n, a + C);
         double s = 0;

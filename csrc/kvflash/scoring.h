@@ -69,6 +69,15 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
 void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
                  float *out, int32_t carry = 0);
 
+// Token scores to chunk scores, the mean way (the reference's): each token takes the max of itself and
+// the `spread` tokens on either side, then a centred moving average of smooth_width (numpy's convolve
+// "same"; <= 1: none), then each chunk the mean of its tokens (chunk_of as chunk_peaks'; tokens of no
+// chunk are dropped; a chunk no token maps to scores 0).  out: [n_chunks].
+void chunk_means(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
+                 int32_t smooth_width, float *out);
+// The centred moving average chunk_means and qk's "token" aggregate use, in place, rounded to float.
+void moving_average(std::vector<double> &x, int32_t width);
+
 // The qk policy's default scoring ("peak"), with the target's own captured queries.
 struct PeakScoring {
     int32_t n_queries = 8;   // the latest captured queries score the history

@@ -23,6 +23,7 @@ void SessionConfig::validate() const {
         throw std::invalid_argument("exact_draft must be -1 (adaptive) or in [0, " + std::to_string(kMaxDraft) +
                                     "], got " + std::to_string(exact_draft));
     if (scorer == Scorer::Qk) qk.validate();
+    if (scorer == Scorer::Drafter && !drafter) throw std::invalid_argument("the drafter scorer needs a drafter");
 }
 
 // ------------------------------------------------------------------ SpecStats
@@ -134,6 +135,7 @@ void Session::configure(const SessionConfig &c) {
 }
 
 void Session::told_rewind() {
+    if (cfg_.scorer == Scorer::Drafter) cfg_.drafter->rewind(int64_t(tokens_.size()));
     if (rewind_fn_) rewind_fn_(int64_t(tokens_.size()));
 }
 
@@ -348,6 +350,7 @@ void Session::reset_() {
     ahead_.clear();
     since_rescore_ = 0;
     last_scores_.clear();
+    if (cfg_.scorer == Scorer::Drafter) cfg_.drafter->reset();
     if (rewind_fn_) rewind_fn_(0);
 }
 
@@ -422,6 +425,9 @@ int32_t Session::rescore() {
     if (cfg_.scorer == Scorer::Qk) {
         scores.resize(size_t(n));
         qk_scores(*rt_, summaries_.get(), cfg_.qk, scores.data(), n, model_->n_threads());
+        have = true;
+    } else if (cfg_.scorer == Scorer::Drafter) {
+        cfg_.drafter->score(tokens_.data(), int64_t(tokens_.size()), n, rt_->config().chunk_tokens, scores);
         have = true;
     } else if (score_fn_) {
         have = score_fn_(n, scores);

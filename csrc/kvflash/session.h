@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "kvflash/drafter.h"
 #include "kvflash/runtime.h"
 #include "kvflash/sampling.h"
 #include "kvflash/scoring.h"
@@ -40,6 +41,7 @@ constexpr int32_t kMaxDraft = 16;   // drafts per exact-mode round, at most
 enum class Scorer {
     None,       // lru: the pager's recency order, nothing scored
     Qk,         // qk and its variants, scored in the core (SessionConfig::qk)
+    Drafter,    // a second model's attention (SessionConfig::drafter, drafter.h)
     External,   // the client's callback (a policy written in Python, scores from a C program)
 };
 
@@ -47,6 +49,7 @@ struct SessionConfig {
     RuntimeConfig runtime;
     Scorer scorer = Scorer::None;
     QkScoring qk;               // Scorer::Qk's settings (n_layers -1: qk_auto_layers, 0: all paged layers)
+    std::shared_ptr<DrafterScorer> drafter;   // Scorer::Drafter's scorer (its own model and cache)
     int32_t tau = 64;           // decoded tokens between rescores, at least
     int32_t reeval_tokens = 64; // a prompt's tail read again after its settling rescore
     uint64_t seed = 0;

@@ -188,6 +188,19 @@ std::string session_app_json(const Session &s) {
     } else if (c.scorer == Scorer::Qk) {
         pol.set("name", Value::string(c.qk.name()));
         pol.set("qk", qk_json(c.qk));
+    } else if (c.scorer == Scorer::Drafter) {
+        const DrafterSettings &d = c.drafter->settings();
+        Value o = Value::object();
+        o.set("n_queries", Value::integer(d.n_queries));
+        o.set("smooth_width", Value::integer(d.smooth_width));
+        o.set("kv_type", Value::string(d.kv_type));
+        o.set("layers", opt_int(d.layers, d.layers > 0));
+        o.set("pool", opt_int(d.pool, d.pool > 0));
+        o.set("aggregate", Value::string(d.aggregate));
+        o.set("contrast", Value::integer(d.contrast));
+        o.set("spread", Value::integer(d.spread));
+        pol.set("name", Value::string("drafter"));
+        pol.set("drafter", std::move(o));
     } else if (!s.policy_spec().empty()) {
         pol = json::parse(s.policy_spec());
     } else {
@@ -296,8 +309,25 @@ SessionApp parse_session_app(const std::string &bytes, const SnapshotHeader &hea
         out.builtin = true;
     } else if (pol.find("drafter")) {
         ck.fields(pol, {{"name", [](const Value &v) { return v.as_string() == "drafter"; }}, {"drafter", kAny}}, "policy");
-        ck.fields(*pol.find("drafter"), drafter_fields(), "policy.drafter");
-        c.scorer = Scorer::External;
+        const Value &d = *pol.find("drafter");
+        ck.fields(d, drafter_fields(), "policy.drafter");
+        DrafterSettings &ds = out.drafter_settings;
+        auto opt = [&](const char *k, int32_t none) { return d.find(k)->is_null() ? none : i32(*d.find(k)); };
+        ds.n_queries = i32(*d.find("n_queries"));
+        ds.smooth_width = i32(*d.find("smooth_width"));
+        ds.kv_type = d.find("kv_type")->as_string();
+        ds.layers = opt("layers", 0);
+        ds.pool = opt("pool", 0);
+        ds.aggregate = d.find("aggregate")->as_string();
+        ds.contrast = opt("contrast", -1);
+        ds.spread = opt("spread", -1);
+        try {
+            ds.resolve();
+        } catch (const std::invalid_argument &e) {
+            ck.bad(std::string("the policy's settings: ") + e.what());
+        }
+        out.drafter = true;
+        c.scorer = Scorer::Drafter;
     } else {
         ck.fields(pol, {{"name", kAny}, {"custom", [](const Value &v) { return v.is_object() || (v.is_bool() && v.as_bool()); }}},
                   "policy");
@@ -355,6 +385,7 @@ SessionApp parse_session_app(const std::string &bytes, const SnapshotHeader &hea
 std::string Session::policy_name() const {
     if (cfg_.scorer == Scorer::None) return "lru";
     if (cfg_.scorer == Scorer::Qk) return cfg_.qk.name();
+    if (cfg_.scorer == Scorer::Drafter) return "drafter";
     if (policy_spec_.empty()) return "";
     return json::parse(policy_spec_).find("name")->as_string();
 }
@@ -389,6 +420,7 @@ void Session::restore(const std::string &path, uint64_t max_bytes, const std::st
     snap.apply(*rt_, summaries_.get());   // checks everything, then replaces the cache
     sampler_ = snap.session().sampler;
     restore_state(snap.session().tokens, snap.session().logits, app.since_rescore, app.rescores, app.last_scores);
+    if (cfg_.scorer == Scorer::Drafter) cfg_.drafter->reset();   // it re-feeds the history at its next rescore
 }
 
 }  // namespace kvflash

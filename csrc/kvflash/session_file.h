@@ -32,6 +32,8 @@ struct SessionApp {
     SessionConfig config;   // the settings and a built-in policy's scorer (runtime: geometry only)
     std::string policy;     // the policy's name
     bool builtin = false;   // lru or qk: config.scorer and config.qk say it all
+    bool drafter = false;   // the drafter: drafter_settings, with the drafter model the loader's to give
+    DrafterSettings drafter_settings;
     int64_t since_rescore = 0, rescores = 0;
     std::vector<float> last_scores;
     bool has_last_scores = false;
