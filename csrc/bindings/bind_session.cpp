@@ -83,14 +83,18 @@ QkScoring qk_settings(const py::dict &qk) {
 
 void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
-                            bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture) {
+                            bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture,
+                            std::shared_ptr<DrafterScorer> drafter) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
                  else if (scorer == "qk" || scorer == "peak") c.scorer = Scorer::Qk;
+                 else if (scorer == "drafter") c.scorer = Scorer::Drafter;
                  else if (scorer == "external") c.scorer = Scorer::External;
-                 else throw std::invalid_argument("scorer must be 'none', 'qk' or 'external', got '" + scorer + "'");
+                 else throw std::invalid_argument("scorer must be 'none', 'qk', 'drafter' or 'external', got '" + scorer +
+                                                  "'");
                  c.qk = qk_settings(qk);
+                 c.drafter = c.scorer == Scorer::Drafter ? drafter : nullptr;
                  c.tau = tau;
                  c.reeval_tokens = reeval_tokens;
                  c.exact = exact;
@@ -100,10 +104,11 @@ void bind_session(RuntimeClass &cls) {
                  r.session->configure(c);
              }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
-             py::arg("exact_prefill") = false, py::arg("reread_capture") = false,
+             py::arg("exact_prefill") = false, py::arg("reread_capture") = false, py::arg("drafter") = nullptr,
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
              "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
-             "'external': the callable given to set_scorer), its rescore schedule and exact mode; reread_capture: "
+             "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "
+             "rescore schedule and exact mode; reread_capture: "
              "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime).")
         .def("set_scorer", [](PyRuntime &r, py::object fn) {
                  InUse use(&r.busy);

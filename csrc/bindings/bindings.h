@@ -53,7 +53,7 @@ private:
 struct PyRuntime {
     std::atomic<bool> busy{false};               // InUse
     std::shared_ptr<Model> model;
-    std::unique_ptr<Session> session;            // the core session: runtime, sampler, history, logits, schedule
+    std::shared_ptr<Session> session;            // the core session: runtime, sampler, history, logits, schedule
     Runtime *rt = nullptr;                       // session->runtime()
     std::shared_ptr<ChunkSummaries> summaries;   // the session's (chunk_summaries=True): qk-bound / qk-mean's state
 };
@@ -87,6 +87,7 @@ void bind_model(py::module_ &m);
 RuntimeClass bind_runtime(py::module_ &m);
 void bind_scoring(RuntimeClass &cls);   // the scoring kernels, as Runtime methods
 void bind_session(RuntimeClass &cls);   // the core session's verbs, as Runtime methods
+void bind_drafter(py::module_ &m);      // _core.Drafter, the drafter scorer (drafter.h)
 void bind_gguf(py::module_ &m);         // gguf_metadata
 void bind_snapshot(py::module_ &m, RuntimeClass &cls);  // Snapshot, Runtime.save_snapshot
 

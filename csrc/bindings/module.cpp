@@ -257,6 +257,7 @@ PYBIND11_MODULE(_core, m) {
     RuntimeClass rt = bind_runtime(m);
     bind_scoring(rt);
     bind_session(rt);
+    bind_drafter(m);
     bind_gguf(m);
     bind_snapshot(m, rt);
 }

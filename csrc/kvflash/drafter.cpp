@@ -54,6 +54,7 @@ int32_t DrafterScorer::layers_used() const {
 }
 
 void DrafterScorer::load() {
+    if (session_) return;
     const int32_t n_layer = model_->hparams().n_layer;
     const std::vector<int32_t> globals = model_->global_layers();
     if (globals.empty()) throw std::invalid_argument("drafter " + model_->path() + " has no full-attention layer");
@@ -80,7 +81,8 @@ void DrafterScorer::load() {
     r.capture_queries = s_.n_queries + s_.contrast;
     r.eval_layers = eval_layers_;
     c.reread_capture = true;   // the drafter's history: continue_to refills the capture window after a cut
-    session_ = std::make_unique<Session>(model_, c);
+    session_ = std::make_shared<Session>(model_, c);
+    if (interrupt_) session_->runtime().set_interrupt(interrupt_);
 }
 
 void DrafterScorer::feed(const std::vector<int32_t> &ids) {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,11 +72,14 @@ public:
     // bridged drafter's tokens are its own: it finds the common prefix at its next feed instead).
     void rewind(int64_t n);
     void reset();
-    // The drafter's own session (nullptr before the first score).
+    // The drafter's own session (nullptr before the first score); load() builds it now.
     Session *session() { return session_.get(); }
+    std::shared_ptr<Session> session_ptr() const { return session_; }
+    void load();
+    // Asked between the pieces of the drafter's evals (its session's runtime): true stops them.
+    void set_interrupt(std::function<bool()> f) { interrupt_ = std::move(f); }
 
 private:
-    void load();
     void feed(const std::vector<int32_t> &ids);
     std::vector<double> token_scores(int32_t first) const;
     void chunk_scores(const std::vector<int32_t> &ids, const std::vector<int32_t> &chunk_of, int32_t n_chunks,
@@ -88,7 +92,8 @@ private:
     std::shared_ptr<const DrafterVocab> tv_, dv_;
     bool bridged_ = false;
     int32_t eval_layers_ = 0;
-    std::unique_ptr<Session> session_;
+    std::shared_ptr<Session> session_;
+    std::function<bool()> interrupt_;
     int64_t fed_total_ = 0;
 };
 
