@@ -128,6 +128,26 @@ configure(scorer="drafter", drafter=...); the drafter's runtime is built at the 
             return py::array_t<float>(py::ssize_t(out.size()), out.data());
         }, py::arg("tokens"), py::arg("n_chunks"), py::arg("chunk_tokens"),
         "Feed the drafter up to tokens (the target's history) and score its n_chunks chunks.")
+        .def("set_interrupt", [](DrafterScorer &d, py::object fn) {
+            if (fn.is_none()) {
+                d.set_interrupt([] {
+                    py::gil_scoped_acquire gil;
+                    return PyErr_CheckSignals() != 0;
+                });
+                return;
+            }
+            if (!PyCallable_Check(fn.ptr())) throw std::invalid_argument("set_interrupt: a callable() -> bool, or None");
+            d.set_interrupt([fn] {
+                py::gil_scoped_acquire gil;
+                if (PyErr_CheckSignals() != 0) return true;
+                if (!fn().cast<bool>()) return false;
+                PyErr_SetNone(PyExc_KeyboardInterrupt);   // the eval stops as at a Ctrl-C
+                return true;
+            });
+        }, py::arg("fn"),
+        "fn() is asked between the pieces of the drafter's evals (with Ctrl-C, which is always checked); True stops "
+        "the eval as a Ctrl-C does (KeyboardInterrupt; the eval and the rescore around it are undone).  None: Ctrl-C "
+        "alone.")
         .def("rewind", [](DrafterScorer &d, int64_t n) {
             py::gil_scoped_release nogil;
             d.rewind(n);

@@ -167,6 +167,11 @@ void DrafterScorer::rewind(int64_t n) {
     }
 }
 
+void DrafterScorer::set_interrupt(std::function<bool()> f) {
+    interrupt_ = std::move(f);
+    if (session_) session_->runtime().set_interrupt(interrupt_);
+}
+
 void DrafterScorer::reset() {
     if (session_) session_->reset();
 }

@@ -77,7 +77,7 @@ public:
     std::shared_ptr<Session> session_ptr() const { return session_; }
     void load();
     // Asked between the pieces of the drafter's evals (its session's runtime): true stops them.
-    void set_interrupt(std::function<bool()> f) { interrupt_ = std::move(f); }
+    void set_interrupt(std::function<bool()> f);
 
 private:
     void feed(const std::vector<int32_t> &ids);
