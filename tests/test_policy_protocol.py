@@ -126,6 +126,12 @@ def test_unknown_names_and_bad_objects_are_refused_clearly(tiny):
     with pytest.raises(ValueError, match="score"):
         _session(tiny, policy=object())
 
+    class NoScore(BasePolicy):
+        name = "no-score"
+
+    with pytest.raises(ValueError, match="no score"):
+        _session(tiny, policy=NoScore())
+
     class Nameless:
         def score(self, view):
             return None

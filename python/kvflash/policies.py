@@ -276,7 +276,7 @@ _LEGACY = ("n_capture", "needs_chunk_summaries")
 def bind(policy) -> Bound:
     """The protocol of a policy object, checked (ValueError naming what is missing or wrong)."""
     score = getattr(policy, "score", None)
-    if not callable(score):
+    if not callable(score) or getattr(type(policy), "score", None) is BasePolicy.score:
         raise ValueError(f"policy object {policy!r} has no score(view) method")
     name = getattr(policy, "name", None)
     if not name or not isinstance(name, str):
@@ -433,7 +433,7 @@ def policy_from_spec(spec: dict, ctx: PolicyContext):
         return entry.build(ctx, spec.get(entry.key) if entry.settings is not None else None)
     except PolicyUnavailable:
         raise
-    except (ValueError, TypeError) as e:
+    except ValueError as e:   # (a TypeError is the factory's own: it does not take its registered settings)
         raise _core.SnapshotError(f"{where}: its session state is malformed: the policy's settings: {e}") from None
 
 
