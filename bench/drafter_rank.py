@@ -22,6 +22,7 @@ every variant scores that session's history, paged-out keys included.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -30,7 +31,6 @@ import kvflash
 from kvflash.bench.needle import NeedleBuilder
 from kvflash.bench.routines import passkey_chunks, rank_of, rank_text, span_rank
 from kvflash.models import resolve_model
-from kvflash.policies import ChunkView
 from kvflash.scoring import DrafterPolicy, QKPolicy
 
 
@@ -75,9 +75,10 @@ def main() -> None:
         protected = np.zeros(n_chunks, dtype=bool)
         protected[: a.sink] = True
         protected[max(0, n_chunks - a.tail - 1):] = True   # the tail window plus the chunk being filled
-        view = ChunkView(n_chunks=n_chunks, chunk_tokens=C, n_past=len(t.ids),
-                         tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
-                         protected=protected, pool_chunks=a.pool // C, session=s)
+        # the trial's chunk table over the target session's scorer handles (the drafter reads its target there)
+        view = dataclasses.replace(s.chunk_view(), n_chunks=n_chunks, chunk_tokens=C, n_past=len(t.ids),
+                                   tokens=np.asarray(t.ids, dtype=np.int32), resident=np.zeros(n_chunks, dtype=bool),
+                                   protected=protected, on_host=None, pool_chunks=a.pool // C)
         chunks = passkey_chunks(s, t.ids, t.value)   # more than one when the passkey straddles a chunk edge
         if a.policy == "qk":   # the target's own history: a real pooled prefill
             s.reset()

@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 import kvflash  # noqa: E402
 from kvflash import _core  # noqa: E402
 from kvflash.devices import resolve_device  # noqa: E402
-from kvflash.session import auto_pool, kv_bytes_per_token  # noqa: E402
+from kvflash._pool import auto_pool, kv_bytes_per_token  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tinygguf import write_small_llama  # noqa: E402

@@ -690,9 +690,11 @@ def test_failed_eval_gives_back_the_captured_queries(small):
 def test_failed_prefill_gives_back_the_captured_queries(small):
     # The prompt was evaluated (its queries captured), then the post-prompt rescore failed:
     # the session rewinds, and the window is the one before the prompt again.
+    from kvflash.policies import Requirements
+
     class Boom:
         name = "boom"
-        n_capture = 40
+        requirements = Requirements(n_capture=40)
 
         def score(self, view):
             raise RuntimeError("policy failed")

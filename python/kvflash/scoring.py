@@ -1,8 +1,10 @@
 """Scored residency policies: drafter-scored and drafter-free (qk).
 
-Both follow the policy protocol of :mod:`kvflash.policies` (``name``,
-``score(view)``, ``reset()``); the heavy lifting (key summaries, attention
-probabilities) happens in the native runtime, once per rescore.
+Both follow the policy protocol of :mod:`kvflash.policies` (``name``, ``score(view)``,
+``requirements``, ``reset()``, ``rewind()``, ``spec()``) and are registered by name through
+:func:`kvflash.policies.register_policy`, as a user's policy is; the heavy lifting (key
+summaries, attention probabilities) happens in the native runtime, once per rescore, through
+the view's scorer handles.
 """
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from .policies import ChunkView
+from ._checks import KV_TYPES, int_in, one_of, opt_int
+from ._pool import DRAFTER_RESERVE_BYTES
+from .policies import (BasePolicy, ChunkView, PeakScorer, PolicyContext, PolicyUnavailable, Requirements, Target,
+                       qk_layers, register_policy)
 
 
-class QKPolicy:
+class QKPolicy(BasePolicy):
     """Drafter-free: score chunks with the target model's own queries and keys.
 
     ``mode="keys"`` (policy ``"qk"``): at a rescore the queries of the last
@@ -37,6 +42,7 @@ class QKPolicy:
       chunk after a key that sits near a chunk edge ranks right behind the key's
       (a passkey split by a chunk edge, or its key at the end of one chunk and its
       digits in the next).  The runtime then captures n_queries + contrast queries.
+      The core scores it itself (``requirements.native``) unless a subclass overrides score().
       ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
       Defaults (8 queries, contrast 32, spread 4, carry 16, auto layers) chosen on
@@ -96,28 +102,35 @@ class QKPolicy:
 
     def n_layers(self, n_paged: int) -> int:
         """The paged layers scored, for a runtime with n_paged of them (the core's 0 = all)."""
-        if self.layers is None:
-            return 0
-        if self.layers == "auto":
-            return _core.qk_auto_layers(n_paged)
-        return min(self.layers, n_paged)
+        return qk_layers(self.layers, n_paged)
+
+    @property
+    def requirements(self) -> Requirements:
+        native = None
+        if self.mode == "keys" and self.aggregate == "peak" and type(self).score is QKPolicy.score:
+            native = PeakScorer(n_queries=self.n_queries, contrast=self.contrast, spread=self.spread,
+                                carry=self.carry, layers=self.layers)
+        return Requirements(n_capture=self.n_capture, chunk_summaries=self.needs_chunk_summaries, native=native)
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
-        rt = view.session.runtime
         if self.mode != "keys":
-            return rt.qk_scores(self.mode)[: view.n_chunks]
-        nl = self.n_layers(rt.n_paged_layers)
+            return view.qk_scores(self.mode)[: view.n_chunks]
+        nl = self.n_layers(view.n_paged_layers)
         if self.aggregate == "peak":
-            return rt.qk_peak_scores(view.n_chunks, n_queries=self.n_queries, contrast=self.contrast,
-                                     spread=self.spread, n_layers=nl, carry=self.carry)
-        if self.aggregate == "chunk":   # the last n_queries captured (the runtime may keep more)
-            return rt.history_attention(per_chunk=True, q_first=max(0, rt.n_captured - self.n_queries),
-                                        n_layers=nl)[: view.n_chunks]
-        tok_scores = rt.history_attention(q_first=max(0, rt.n_captured - self.n_queries), n_layers=nl)
+            return view.qk_peak_scores(view.n_chunks, n_queries=self.n_queries, contrast=self.contrast,
+                                       spread=self.spread, n_layers=nl, carry=self.carry)
+        q_first = max(0, view.n_captured - self.n_queries)   # the last n_queries captured (the runtime may keep more)
+        if self.aggregate == "chunk":
+            return view.history_attention(per_chunk=True, q_first=q_first, n_layers=nl)[: view.n_chunks]
+        tok_scores = view.history_attention(q_first=q_first, n_layers=nl)
         return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
 
-    def reset(self) -> None:
-        pass  # captured queries and summaries live in the runtime and are cleared by its reset
+    def spec(self) -> dict:
+        return dict(mode=self.mode, n_queries=self.n_queries, smooth_width=self.smooth_width,
+                    aggregate=self.aggregate, contrast=self.contrast, spread=self.spread, layers=self.layers,
+                    carry=self.carry)
+
+    # reset: captured queries and summaries live in the runtime and are cleared by its reset
 
 
 def smooth(x: np.ndarray, width: int) -> np.ndarray:
@@ -164,7 +177,7 @@ def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> 
     return (s / np.maximum(c, 1)).astype(np.float32)
 
 
-class DrafterPolicy:
+class DrafterPolicy(BasePolicy):
     """A second (smaller) model scores every chunk by the attention the tail pays it.
 
     The drafter keeps its own cache of the whole history and is fed only the
@@ -208,6 +221,10 @@ class DrafterPolicy:
     history, resident or paged out.  ``pool=None`` (or 0) gives the drafter a full
     cache: its forward then attends over the whole history, which costs what a
     full-cache decode costs per fed token, in memory that grows with the context.
+
+    It loads from the view's ``target`` (the session's model, tokenizer, threads and max_ctx)
+    and, bridged, reads the history's bytes through ``view.token_bytes()``; auto pool sizing
+    leaves ``requirements.extra_bytes`` free for it.
     """
 
     name = "drafter"
@@ -249,11 +266,22 @@ class DrafterPolicy:
         self.bridged = False
         self.fed_tokens_total = 0   # tokens evaluated by the drafter over its lifetime
 
+    @property
+    def requirements(self) -> Requirements:
+        # the target's capture window stays n_queries, as before the protocol (a snapshot's header holds it)
+        return Requirements(n_capture=self.n_queries, extra_bytes=DRAFTER_RESERVE_BYTES)
+
+    def spec(self) -> dict:
+        # no path: a snapshot names no files (the drafter is the loader's to give)
+        return dict(n_queries=self.n_queries, smooth_width=self.smooth_width, kv_type=self.kv_type,
+                    layers=self.layers, pool=self.pool, aggregate=self.aggregate, contrast=self.contrast,
+                    spread=self.spread)
+
     # -- lazy setup ---------------------------------------------------------
-    def load(self, session) -> None:
-        """Load the drafter for this session now (otherwise done at the first rescore)."""
+    def load(self, target: Target) -> None:
+        """Load the drafter for a session now (``view.target``; otherwise done at the first rescore)."""
         if self._rt is None:
-            self._load(session)
+            self._load(target)
 
     @property
     def layers_used(self) -> Optional[int]:
@@ -262,19 +290,19 @@ class DrafterPolicy:
             return None
         return self.eval_layers or int(self._model.hparams["n_layer"])
 
-    def _load(self, session) -> None:
+    def _load(self, target: Target) -> None:
         from .tokenizer import Tokenizer
-        same = os.path.realpath(self.path) == os.path.realpath(str(session.model_path))
+        same = os.path.realpath(self.path) == os.path.realpath(str(target.model_path))
         if same:
-            self._model = session.model  # same weights: share them
-            self._tok = session.tokenizer
+            self._model = target.model  # same weights: share them
+            self._tok = target.tokenizer
         else:
             try:
-                self._model = _core.Model(self.path, self.threads or session.threads)
+                self._model = _core.Model(self.path, self.threads or target.threads)
                 self._tok = Tokenizer.from_gguf(self.path)
             except Exception as e:  # an explicit drafter that fails to load is an error
                 raise ValueError(f"drafter {self.path} failed to load: {e}") from e
-        t = session.tokenizer
+        t = target.tokenizer
         self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
         n_layer = int(self._model.hparams["n_layer"])
         first_global = min(self._model.global_layers)   # the scores come from full-attention layers
@@ -287,7 +315,7 @@ class DrafterPolicy:
             raise ValueError(f"drafter layers={layers}: the first full-attention layer of {self.path} is layer "
                              f"{first_global} (the others use a sliding window); use layers >= {first_global + 1}")
         self.eval_layers = 0 if layers == n_layer else layers
-        max_ctx = max(session.max_ctx * (4 if self.bridged else 1), 1024)
+        max_ctx = max(target.max_ctx * (4 if self.bridged else 1), 1024)
         pool = 0
         if self.pool is not None and self.pool < max_ctx:
             pool = max(self.pool, _core.min_pool_tokens())
@@ -297,11 +325,7 @@ class DrafterPolicy:
                                  capture_queries=self._n_capture, eval_layers=self.eval_layers)
         # the core session under it keeps the drafter's history and refills the capture window after a cut
         self._rt.configure(reread_capture=True)
-        self._threads = self.threads or session.threads
-
-    def _target_bytes(self, session, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """History as bytes plus each target token's end offset."""
-        return session.tokenizer.bytes_of(tokens, skip_special=True)
+        self._threads = self.threads or target.threads
 
     @property
     def _n_capture(self) -> int:
@@ -342,15 +366,14 @@ class DrafterPolicy:
                                           q_count=min(self.n_queries, n_cap - first))
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
-        s = view.session
         if self._rt is None:
-            self._load(s)
+            self._load(view.target)
         tokens = view.tokens[: view.n_past]
         if not self.bridged:
             chunk_of = np.arange(view.n_past, dtype=np.int64) // view.chunk_tokens
             return self._chunk_scores([int(t) for t in tokens], chunk_of, view.n_chunks)
         # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
-        text_bytes, t_ends = self._target_bytes(s, tokens)
+        text_bytes, t_ends = view.token_bytes()
         text = text_bytes.decode("utf-8", errors="replace")
         d_ids = self._tok.encode(text, add_special=True, parse_special=False)
         _, d_ends = self._tok.bytes_of(d_ids, skip_special=True)
@@ -385,3 +408,43 @@ class DrafterPolicy:
     def reset(self) -> None:
         if self._rt is not None:
             self._rt.reset()
+
+
+# ---------------------------------------------------------------------- registered as a user's policy would be
+
+_QK_SETTINGS = {"mode": lambda v: isinstance(v, str) and len(v) <= 64, "n_queries": int_in(1, 256),
+                "smooth_width": int_in(0, 4096),
+                "aggregate": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
+                "contrast": opt_int(0, 2**31 - 1), "spread": opt_int(0, 2**31 - 1),
+                "layers": lambda v: v is None or v == "auto" or int_in(1, 2**31 - 1)(v),
+                "carry": opt_int(0, 2**31 - 1)}
+_DRAFTER_SETTINGS = {"n_queries": int_in(1, 4096), "smooth_width": int_in(0, 4096), "kv_type": one_of(*KV_TYPES),
+                     "layers": opt_int(1, 2**31 - 1), "pool": opt_int(0, _core.MAX_CONTEXT),
+                     "aggregate": one_of("max", "mean", "mass"), "contrast": opt_int(0, 2**31 - 1),
+                     "spread": opt_int(0, 2**31 - 1)}
+
+
+def _qk(mode: str):
+    def make(**settings) -> QKPolicy:
+        return QKPolicy(**{"mode": mode, **settings})   # a snapshot's settings name their mode
+    return make
+
+
+def _drafter(ctx: PolicyContext, **settings):
+    """The drafter next to the model (or the caller's drafter=); making a session without one falls back to qk,
+    loading a snapshot taken with one asks for it."""
+    where = ctx.drafter_path()
+    if where is None:
+        if ctx.snapshot is not None:
+            raise PolicyUnavailable(f"snapshot {ctx.snapshot} was taken with the drafter policy and no drafter is "
+                                    f"next to {ctx.model_path}: pass drafter= (the drafter model) to Session.load "
+                                    f"(a snapshot names no files)")
+        # the reference falls back to LRU, which keeps no needle past its window
+        ctx.note = " (no drafter found next to the model: falling back to qk)"
+        return QKPolicy()
+    return DrafterPolicy(where, **{"threads": ctx.threads, **settings})
+
+
+for _mode, _name in (("keys", "qk"), ("bound", "qk-bound"), ("mean", "qk-mean")):
+    register_policy(_name, _qk(_mode), settings=_QK_SETTINGS, key="qk")
+register_policy("drafter", _drafter, settings=_DRAFTER_SETTINGS, key="drafter", context=True)

@@ -960,8 +960,8 @@ def serve(args) -> int:
     path = resolve_model(args.model)
     from .system import usable_cores
     from .devices import resolve_device
-    from .session import _rpc_args
-    rpc, split = _rpc_args(getattr(args, "rpc", None), getattr(args, "tensor_split", None))
+    from ._checks import rpc_args
+    rpc, split = rpc_args(getattr(args, "rpc", None), getattr(args, "tensor_split", None))
     model = _core.Model(str(path), args.threads or usable_cores(), device=resolve_device(args.device), rpc=rpc,
                         tensor_split=split)
     sessions = [Session(model, max_ctx=args.max_ctx, kvflash=_pool_arg(args.kvflash), policy=args.kvflash_policy,

@@ -68,8 +68,8 @@ def run_rescore(cfg: BenchConfig) -> Result:
                                         kv_type=pol_obj.kv_type, layers=pol_obj.layers_used, pool=None,
                                         aggregate=pol_obj.aggregate, contrast=pol_obj.contrast,
                                         spread=pol_obj.spread)
-                    ref.load(s)
                     view = s.chunk_view()
+                    ref.load(view.target)
                     t1 = time.perf_counter()
                     ref.score(view)
                     reread = 1e3 * (time.perf_counter() - t1)

@@ -71,7 +71,7 @@ def _drafter(cfg: BenchConfig):
     """The drafter policy object shared by every residency (None: no drafter, with the reason)."""
     from kvflash.models import resolve_model
     from kvflash.scoring import DrafterPolicy
-    from kvflash.session import find_drafter
+    from kvflash._pool import find_drafter
     path = resolve_model(cfg.drafter) if cfg.drafter else find_drafter(resolve_model(cfg.model))
     if path is None:
         return None, "no drafter found next to the model; pass --drafter"

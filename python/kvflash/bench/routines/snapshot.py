@@ -49,7 +49,7 @@ def run_snapshot(cfg: BenchConfig) -> Result:
     # Long on purpose: one timing loop whose steps depend on each other (prefill, then save, then the restores of
     # that file), then the rows and the bit-exactness check over the sessions it used.
     import kvflash
-    from kvflash.session import kv_bytes_per_token
+    from kvflash._pool import kv_bytes_per_token
     ctxs = sorted(set(cfg.contexts))
     pool = cfg.pools[0]
     max_ctx = max(ctxs) + CHECK_TOKENS + 64
