@@ -578,8 +578,10 @@ def drafter_file(tmp_path_factory):
 
 
 def _drafter_session(small, drafter_file, **kw):
+    # the drafter's own pool of 512: past it, its feeds are evaluated in chunk pieces, and a Ctrl-C is
+    # taken between them (DrafterPolicy.set_interrupt stands in for one)
     from kvflash.scoring import DrafterPolicy
-    return _session(small, policy=DrafterPolicy(drafter_file, threads=1), **kw)
+    return _session(small, policy=DrafterPolicy(drafter_file, threads=1, pool=512), **kw)
 
 
 def _drafter_agrees(s):
@@ -589,19 +591,24 @@ def _drafter_agrees(s):
     assert pol._fed == s.tokens
 
 
+def _drafter_follows(s):
+    # between rescores the drafter holds a prefix of the history: what it was fed by the last one
+    pol = s.policy
+    assert pol._rt.n_past == len(pol._fed) and pol._fed == s.tokens[: len(pol._fed)], (pol._rt.n_past, len(s.tokens))
+
+
 def test_ctrl_c_in_the_drafters_feed_during_prefill_keeps_its_history_with_the_session(small, drafter_file):
     # The prompt outgrows the pool, so prefill rescores and the drafter is fed the prompt;
-    # Ctrl-C lands as its eval returns.  The session rewinds to before the prompt, and the
+    # Ctrl-C lands between the pieces of its eval.  The session rewinds to before the prompt, and the
     # drafter's cache and token list go back with it; the retry scores as if never interrupted.
     s = _drafter_session(small, drafter_file)
     s.prefill(_ids(700))
     _drafter_agrees(s)
     pol = s.policy
-    drt = pol._rt
-    pol._rt = _InterruptAfter(drt, "continue_to")
+    pol.set_interrupt(lambda: True)   # the drafter's feed (in the core's rescore) is where it lands
     with pytest.raises(KeyboardInterrupt):
         s.prefill(_ids(300, 1))
-    pol._rt = drt
+    pol.set_interrupt(None)
     _consistent(s)
     assert s.tokens == _ids(700)
     _drafter_agrees(s)
@@ -616,24 +623,23 @@ def test_ctrl_c_in_the_drafters_feed_during_prefill_keeps_its_history_with_the_s
 
 def test_ctrl_c_in_the_drafters_feed_during_generate_keeps_its_history_with_the_session(small, drafter_file):
     from kvflash.scoring import DrafterPolicy
-    s = _drafter_session(small, drafter_file, tau=16)
+    s = _drafter_session(small, drafter_file, tau=130)
     s.prefill(_ids(700))
     pol = s.policy
-    drt = pol._rt
-    pol._rt = _InterruptAfter(drt, "continue_to")   # the first decode-time rescore feeds the drafter
+    pol.set_interrupt(lambda: True)   # the first decode-time rescore feeds the drafter 130 tokens, in pieces
     with pytest.raises(KeyboardInterrupt):
-        for _ in s.generate(max_tokens=40, ignore_eos=True):
+        for _ in s.generate(max_tokens=200, ignore_eos=True):
             pass
-    pol._rt = drt
+    pol.set_interrupt(None)
     _consistent(s)
     assert len(s.tokens) > 700
-    _drafter_agrees(s)
+    _drafter_follows(s)   # the interrupted feed was undone: the drafter still holds what it held before it
     list(s.generate(max_tokens=20, ignore_eos=True))   # carries on, rescoring on its schedule
     _consistent(s)
     view = s.chunk_view()
     got = s.policy.score(view)                         # the next rescore: fed up to the session's history
     _drafter_agrees(s)
-    want = DrafterPolicy(drafter_file, threads=1).score(view)   # the same history, fed in one go
+    want = DrafterPolicy(drafter_file, threads=1, pool=512).score(view)   # the same history, fed in one go
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max()))
 
 

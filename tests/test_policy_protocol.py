@@ -233,8 +233,9 @@ def test_requirements_of_the_builtins(tiny):
     r = QKPolicy().requirements
     assert r.native is not None and r.n_capture == 40 and not r.chunk_summaries and r.scores
     assert r.native.core_args(30)["n_layers"] == _core.qk_auto_layers(30)
-    assert QKPolicy(aggregate="chunk").requirements.native is None   # scored in Python, through the view
-    assert QKPolicy("mean").requirements.chunk_summaries
+    # every mode and aggregate is the core's scorer (QkScoring), the summary modes with chunk summaries
+    assert QKPolicy(aggregate="chunk").requirements.native.core_args(30)["aggregate"] == "chunk"
+    assert QKPolicy("mean").requirements.chunk_summaries and QKPolicy("mean").requirements.native.mode == "mean"
     assert not kvflash.LRUPolicy().requirements.scores
 
     class Tweaked(QKPolicy):                   # overrides score: the core must call it back

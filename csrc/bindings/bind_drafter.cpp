@@ -51,7 +51,40 @@ template <class T> T opt(const py::object &v, T none) { return v.is_none() ? non
 
 }  // namespace
 
+DrafterSettings settings_of(int32_t n_queries, int32_t smooth_width, const std::string &kv_type, const py::object &layers,
+                            const py::object &pool, const std::string &aggregate, const py::object &contrast,
+                            const py::object &spread) {
+    DrafterSettings s;
+    s.n_queries = n_queries;
+    s.smooth_width = smooth_width;
+    s.kv_type = kv_type;
+    s.layers = opt<int32_t>(layers, 0);
+    s.pool = opt<int32_t>(pool, 0);
+    s.aggregate = aggregate;
+    s.contrast = opt<int32_t>(contrast, -1);
+    s.spread = opt<int32_t>(spread, -1);
+    return s;
+}
+
+py::dict settings_dict(const DrafterSettings &s) {
+    py::dict o;
+    o["n_queries"] = s.n_queries; o["smooth_width"] = s.smooth_width; o["kv_type"] = s.kv_type;
+    o["layers"] = s.layers > 0 ? py::object(py::int_(s.layers)) : py::object(py::none());
+    o["pool"] = s.pool > 0 ? py::object(py::int_(s.pool)) : py::object(py::none());
+    o["aggregate"] = s.aggregate; o["contrast"] = s.contrast; o["spread"] = s.spread;
+    return o;
+}
+
 void bind_drafter(py::module_ &m) {
+    m.def("drafter_settings", [](int32_t n_queries, int32_t smooth_width, const std::string &kv_type, py::object layers,
+                                 py::object pool, const std::string &aggregate, py::object contrast, py::object spread) {
+              DrafterSettings s = settings_of(n_queries, smooth_width, kv_type, layers, pool, aggregate, contrast, spread);
+              s.resolve();
+              return settings_dict(s);
+          }, py::kw_only(), py::arg("n_queries") = 16, py::arg("smooth_width") = 5, py::arg("kv_type") = "q8_0",
+          py::arg("layers") = py::none(), py::arg("pool") = 1024, py::arg("aggregate") = "max",
+          py::arg("contrast") = py::none(), py::arg("spread") = py::none(),
+          "The drafter's settings checked and resolved as the core takes them (ValueError naming a bad one).");
     py::class_<DrafterScorer, std::shared_ptr<DrafterScorer>>(m, "Drafter", R"doc(
 The drafter scorer (csrc/kvflash/drafter.h): a second model's own scoring session over the target's
 history, scoring the target's chunks by the attention its tail pays them.  Drafter(model, target_max_ctx,
@@ -64,15 +97,8 @@ configure(scorer="drafter", drafter=...); the drafter's runtime is built at the 
                          int32_t smooth_width, const std::string &kv_type, py::object layers, py::object pool,
                          const std::string &aggregate, py::object contrast, py::object spread, py::object target_vocab,
                          py::object drafter_vocab) {
-                 DrafterSettings s;
-                 s.n_queries = n_queries;
-                 s.smooth_width = smooth_width;
-                 s.kv_type = kv_type;
-                 s.layers = opt<int32_t>(layers, 0);
-                 s.pool = opt<int32_t>(pool, 0);
-                 s.aggregate = aggregate;
-                 s.contrast = opt<int32_t>(contrast, -1);
-                 s.spread = opt<int32_t>(spread, -1);
+                 const DrafterSettings s =
+                     settings_of(n_queries, smooth_width, kv_type, layers, pool, aggregate, contrast, spread);
                  std::shared_ptr<const DrafterVocab> tv, dv;
                  if (!target_vocab.is_none()) tv = std::make_shared<PyVocab>(target_vocab);
                  if (!drafter_vocab.is_none()) dv = std::make_shared<PyVocab>(drafter_vocab);
@@ -93,15 +119,8 @@ configure(scorer="drafter", drafter=...); the drafter's runtime is built at the 
             return d.loaded() ? py::int_(d.layers_used()) : py::object(py::none());
         })
         .def_property_readonly("fed_tokens_total", &DrafterScorer::fed_tokens_total)
-        .def_property_readonly("settings", [](const DrafterScorer &d) {
-            const DrafterSettings &s = d.settings();
-            py::dict o;
-            o["n_queries"] = s.n_queries; o["smooth_width"] = s.smooth_width; o["kv_type"] = s.kv_type;
-            o["layers"] = s.layers > 0 ? py::object(py::int_(s.layers)) : py::object(py::none());
-            o["pool"] = s.pool > 0 ? py::object(py::int_(s.pool)) : py::object(py::none());
-            o["aggregate"] = s.aggregate; o["contrast"] = s.contrast; o["spread"] = s.spread;
-            return o;
-        })
+        .def_property_readonly("settings", [](const DrafterScorer &d) { return settings_dict(d.settings()); })
+        .def_property_readonly("eval_layers", &DrafterScorer::eval_layers)
         .def("load", [](DrafterScorer &d) {
             py::gil_scoped_release nogil;
             d.load();
@@ -121,9 +140,11 @@ configure(scorer="drafter", drafter=...); the drafter's runtime is built at the 
             if (int64_t(ids.size()) > int64_t(n_chunks) * chunk_tokens)
                 throw std::invalid_argument("score: more tokens than n_chunks chunks hold");
             std::vector<float> out;
-            {
+            try {
                 py::gil_scoped_release nogil;
                 d.score(ids.data(), int64_t(ids.size()), n_chunks, chunk_tokens, out);
+            } catch (const EvalInterrupted &) {   // the interrupt hook set KeyboardInterrupt
+                throw py::error_already_set();
             }
             return py::array_t<float>(py::ssize_t(out.size()), out.data());
         }, py::arg("tokens"), py::arg("n_chunks"), py::arg("chunk_tokens"),

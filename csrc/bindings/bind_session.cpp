@@ -61,8 +61,8 @@ Session::ProgressFn progress_fn(PyRuntime &r, const py::object &progress) {
 }  // namespace
 
 QkScoring qk_settings(const py::dict &qk) {
-    const py::object mode = qk.contains("mode") ? qk["mode"] : py::str("keys");
-    const py::object agg = qk.contains("aggregate") ? qk["aggregate"] : py::none();
+    const py::object mode = qk.contains("mode") ? py::object(qk["mode"]) : py::object(py::str("keys"));
+    const py::object agg = qk.contains("aggregate") ? py::object(qk["aggregate"]) : py::object(py::none());
     QkScoring q = QkScoring::defaults(mode.cast<std::string>(), agg.is_none() ? "" : agg.cast<std::string>());
     for (auto item : qk) {
         const std::string k = py::str(item.first);
@@ -84,7 +84,7 @@ QkScoring qk_settings(const py::dict &qk) {
 void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
                             bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture,
-                            std::shared_ptr<DrafterScorer> drafter) {
+                            std::shared_ptr<DrafterScorer> drafter, py::object allow_long_ctx, py::object seed_given) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
@@ -101,15 +101,19 @@ void bind_session(RuntimeClass &cls) {
                  c.exact_draft = exact_draft;
                  c.exact_prefill = exact_prefill;
                  c.reread_capture = reread_capture;
+                 if (!allow_long_ctx.is_none()) c.allow_long_ctx = allow_long_ctx.cast<bool>();
+                 if (!seed_given.is_none()) c.seed_given = seed_given.cast<bool>();
                  r.session->configure(c);
              }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
              py::arg("exact_prefill") = false, py::arg("reread_capture") = false, py::arg("drafter") = nullptr,
+             py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(),
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
              "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
              "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "
              "rescore schedule and exact mode; reread_capture: "
-             "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime).")
+             "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime); allow_long_ctx, "
+             "seed_given (None: as they were): what a snapshot records of the caller's choices.")
         .def("set_scorer", [](PyRuntime &r, py::object fn) {
                  InUse use(&r.busy);
                  if (fn.is_none()) {

@@ -126,6 +126,30 @@ PYBIND11_MODULE(_core, m) {
           "Token scores to chunk scores (scoring.h): each token the max of the `spread` tokens either side, each "
           "chunk its peak token (chunk_of < 0: a token of no chunk); empty chunks score one below the lowest; carry: "
           "a token also takes, a hair lower, the scores of the `carry` tokens before it.");
+    using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+    m.def("chunk_means", [](F64 x, py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of,
+                            int32_t n_chunks, int32_t spread, int32_t smooth_width) {
+              if (x.ndim() != 1 || chunk_of.ndim() != 1 || x.shape(0) != chunk_of.shape(0))
+                  throw std::invalid_argument("chunk_means: x and chunk_of must be 1-D arrays of one length");
+              if (n_chunks < 0 || spread < 0) throw std::invalid_argument("chunk_means: n_chunks and spread must be >= 0");
+              py::array_t<float> out(static_cast<py::ssize_t>(n_chunks));
+              chunk_means(x.data(), x.shape(0), chunk_of.data(), n_chunks, spread, smooth_width, out.mutable_data());
+              return out;
+          }, py::arg("x"), py::arg("chunk_of"), py::arg("n_chunks"), py::arg("spread") = 0, py::arg("smooth_width") = 0,
+          "Token scores to chunk scores, the mean way (scoring.h): spread_max, a centred moving average of "
+          "smooth_width, then each chunk the mean of its tokens (chunk_of < 0 or >= n_chunks: dropped).");
+    m.def("moving_average", [](F64 x, int32_t width) {
+              if (x.ndim() != 1) throw std::invalid_argument("moving_average: x must be 1-D");
+              std::vector<double> v(x.data(), x.data() + x.shape(0));
+              moving_average(v, width);
+              return py::array_t<double>(py::ssize_t(v.size()), v.data());
+          }, py::arg("x"), py::arg("width"), "A centred moving average of width (numpy's convolve 'same'; <= 1: none).");
+    m.def("spread_max", [](F64 x, int32_t reach) {
+              if (x.ndim() != 1 || reach < 0) throw std::invalid_argument("spread_max: a 1-D x and reach >= 0");
+              py::array_t<double> out(x.shape(0));
+              spread_max(x.data(), x.shape(0), reach, out.mutable_data());
+              return out;
+          }, py::arg("x"), py::arg("reach"), "Each entry the max of itself and its reach neighbours either side.");
     m.def("qk_auto_layers", &qk_auto_layers, py::arg("n_paged"),
           "The qk policy's default layer count for a model with n_paged paged layers.");
     m.def("check_max_ctx", [](int64_t max_ctx) { check_max_ctx(max_ctx); }, py::arg("max_ctx"),

@@ -64,6 +64,7 @@ public:
     bool bridged() const { return bridged_; }
     bool loaded() const { return session_ != nullptr; }
     int32_t layers_used() const;      // 0 before the first score
+    int32_t eval_layers() const { return eval_layers_; }   // the drafter runtime's eval_layers (0: all)
     int64_t fed_tokens_total() const { return fed_total_; }
     // out: n_chunks scores of the target's history (tokens[0 .. n)).  Builds the drafter's runtime at
     // the first call.

@@ -32,7 +32,6 @@ Value Value::uinteger(uint64_t x) {
 }
 
 Value Value::number(double x) {
-    if (std::isnan(x)) throw JsonError("NaN has no JSON form");
     Value v;
     v.kind_ = Kind::Float;
     v.d_ = x;
@@ -102,6 +101,10 @@ Value &Value::set(const std::string &key, Value v) {
 namespace {
 
 void put_number(std::string &out, double d) {
+    if (std::isnan(d)) {
+        out += "NaN";
+        return;
+    }
     if (std::isinf(d)) {
         out += d > 0 ? "Infinity" : "-Infinity";
         return;
@@ -157,7 +160,8 @@ void dump_to(std::string &out, const Value &v, bool python) {
         break;
     }
     case Value::Kind::Float:
-        if (python && std::isinf(v.as_double())) out += v.as_double() > 0 ? "inf" : "-inf";
+        if (python && std::isnan(v.as_double())) out += "nan";
+        else if (python && std::isinf(v.as_double())) out += v.as_double() > 0 ? "inf" : "-inf";
         else put_number(out, v.as_double());
         break;
     case Value::Kind::String: put_string(out, v.as_string(), python ? '\'' : '"', python); break;
@@ -226,6 +230,7 @@ private:
         if (eat("false")) return Value::boolean(false);
         if (eat("Infinity")) return Value::number(std::numeric_limits<double>::infinity());
         if (eat("-Infinity")) return Value::number(-std::numeric_limits<double>::infinity());
+        if (eat("NaN")) return Value::number(std::numeric_limits<double>::quiet_NaN());
         if (c == '-' || (c >= '0' && c <= '9')) return number();
         fail("unexpected character");
     }

@@ -2,7 +2,8 @@
 //
 // Enough JSON for that and no more: objects keep their keys in order (duplicate keys are refused),
 // integers keep their exact value (int64 and uint64, as Python's json writes them), other numbers are
-// doubles; Infinity / -Infinity are read and written as Python's json module does (NaN is refused).
+// doubles; Infinity, -Infinity and NaN are read and written as Python's json module does (what reads a
+// value refuses a NaN where it needs a number).
 // The parser is for hostile bytes: a depth limit, no recursion past it, every error a JsonError.
 #pragma once
 
@@ -73,7 +74,7 @@ private:
 };
 
 // Parses text (UTF-8, one value, whitespace around it).  JsonError on anything else: bad UTF-8, a
-// nesting deeper than max_depth, a duplicate key, NaN, trailing bytes.
+// nesting deeper than max_depth, a duplicate key, trailing bytes.
 Value parse(const std::string &text, int max_depth = 64);
 
 }  // namespace kvflash::json

@@ -493,16 +493,19 @@ void moving_average(std::vector<double> &x, int32_t width) {
     }
 }
 
+void spread_max(const double *x, int64_t n, int32_t reach, double *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        double m = x[i];
+        for (int64_t j = std::max<int64_t>(0, i - reach); j <= std::min<int64_t>(n - 1, i + reach); ++j) m = std::max(m, x[j]);
+        out[i] = m;
+    }
+}
+
 void chunk_means(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,
                  int32_t smooth_width, float *out) {
     if (n < 0 || n_chunks < 0 || spread < 0) throw std::invalid_argument("chunk_means: n, n_chunks, spread >= 0");
     std::vector<double> y(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-        double m = x[i];
-        for (int64_t j = std::max<int64_t>(0, i - spread); j <= std::min<int64_t>(n - 1, i + spread); ++j)
-            m = std::max(m, x[j]);
-        y[size_t(i)] = m;
-    }
+    spread_max(x, n, spread, y.data());
     moving_average(y, smooth_width);
     std::vector<double> sum(size_t(n_chunks), 0.0);
     std::vector<int64_t> cnt(size_t(n_chunks), 0);

@@ -77,6 +77,8 @@ void chunk_means(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_
                  int32_t smooth_width, float *out);
 // The centred moving average chunk_means and qk's "token" aggregate use, in place, rounded to float.
 void moving_average(std::vector<double> &x, int32_t width);
+// Each entry the max of itself and its `reach` neighbours on either side (0: a copy), into out.
+void spread_max(const double *x, int64_t n, int32_t reach, double *out);
 
 // The qk policy's default scoring ("peak"), with the target's own captured queries.
 struct PeakScoring {

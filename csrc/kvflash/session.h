@@ -132,8 +132,9 @@ public:
     std::shared_ptr<ChunkSummaries> summaries_ptr() const { return summaries_; }
 
     void set_scorer(ScoreFn f) { score_fn_ = std::move(f); }
-    // An external policy's spec, what a snapshot records of it: a JSON object {"name": ..., "custom":
-    // true or {settings}} or {"name": "drafter", "drafter": {...}} (session_file.h checks it).
+    // The client's policy as a snapshot records it (and names it), whatever scores it: a JSON object
+    // {"name": ...} with at most one more field, its settings ({"custom": true}: not saved; "drafter",
+    // "qk": checked as the core's); session_file.h checks it.  "" : the core's own scorer's (lru, qk).
     void set_policy_spec(const std::string &json);
     const std::string &policy_spec() const { return policy_spec_; }
     void set_rewind_hook(RewindFn f) { rewind_fn_ = std::move(f); }

@@ -183,7 +183,9 @@ std::string session_app_json(const Session &s) {
     cfg.set("exact_prefill", Value::boolean(c.exact_prefill));
 
     Value pol = Value::object();
-    if (c.scorer == Scorer::None) {
+    if (!s.policy_spec().empty()) {   // the client's policy, as it saves itself (a scorer-less one included)
+        pol = json::parse(s.policy_spec());
+    } else if (c.scorer == Scorer::None) {
         pol.set("name", Value::string("lru"));
     } else if (c.scorer == Scorer::Qk) {
         pol.set("name", Value::string(c.qk.name()));
@@ -201,8 +203,6 @@ std::string session_app_json(const Session &s) {
         o.set("spread", Value::integer(d.spread));
         pol.set("name", Value::string("drafter"));
         pol.set("drafter", std::move(o));
-    } else if (!s.policy_spec().empty()) {
-        pol = json::parse(s.policy_spec());
     } else {
         throw std::invalid_argument("save: the session's external policy has no spec (set_policy_spec)");
     }
@@ -236,18 +236,23 @@ std::string check_policy_spec(const std::string &spec) {
     const Value *name = v.is_object() ? v.find("name") : nullptr;
     if (!name || !name->is_string() || name->as_string().empty() || name->as_string().size() > 200)
         throw std::invalid_argument("policy spec: an object with a name (1 to 200 characters)");
-    const bool drafter = v.find("drafter") != nullptr, custom = v.find("custom") != nullptr;
-    if (v.members().size() != 2 || drafter == custom)
-        throw std::invalid_argument("policy spec: {\"name\": ..., \"custom\": true or {settings}} or {\"name\": "
-                                    "\"drafter\", \"drafter\": {...}}");
-    if (custom && !(v.find("custom")->is_object() || (v.find("custom")->is_bool() && v.find("custom")->as_bool())))
-        throw std::invalid_argument("policy spec: custom must be true or an object of settings");
-    if (drafter) {
-        Checker c{"policy spec"};
-        try {
-            c.fields(*v.find("drafter"), drafter_fields(), "policy.drafter");
-        } catch (const SnapshotError &e) {
-            throw std::invalid_argument(e.what());
+    // {"name"} (a registered policy with no settings), {"name", "custom": true} (not saved: the loader gives
+    // the policy), {"name", "drafter": {...}} or {"name", KEY: {settings of a registered policy}}
+    if (v.members().size() > 2)
+        throw std::invalid_argument("policy spec: {\"name\": ...} with at most one more field (its settings)");
+    if (v.members().size() == 2) {
+        const auto &[key, val] = v.members()[0].first == "name" ? v.members()[1] : v.members()[0];
+        if (key.empty() || key.size() > 64)
+            throw std::invalid_argument("policy spec: its settings' key must be 1 to 64 characters");
+        if (key == "custom" ? !(val.is_bool() && val.as_bool()) : !val.is_object())
+            throw std::invalid_argument("policy spec: custom must be true, settings an object");
+        if (key == "drafter" || key == "qk") {
+            Checker c{"policy spec"};
+            try {
+                c.fields(val, key == "qk" ? qk_fields() : drafter_fields(), "policy." + key);
+            } catch (const SnapshotError &e) {
+                throw std::invalid_argument(e.what());
+            }
         }
     }
     return v.dump();
@@ -328,9 +333,15 @@ SessionApp parse_session_app(const std::string &bytes, const SnapshotHeader &hea
         }
         out.drafter = true;
         c.scorer = Scorer::Drafter;
+    } else if (pol.members().size() == 1) {   // a registered policy that saves no settings
+        c.scorer = Scorer::External;
     } else {
-        ck.fields(pol, {{"name", kAny}, {"custom", [](const Value &v) { return v.is_object() || (v.is_bool() && v.as_bool()); }}},
-                  "policy");
+        // a user's policy: {"name", "custom": true} or {"name", KEY: {settings}} (the client checks them
+        // against what the name was registered with)
+        if (pol.members().size() != 2) ck.bad("policy has fields beyond its name and its settings");
+        const auto &[key, val] = pol.members()[0].first == "name" ? pol.members()[1] : pol.members()[0];
+        if (key == "custom" ? !(val.is_bool() && val.as_bool()) : !(val.is_object() && key.size() <= 64))
+            ck.bad("policy." + key + " = " + val.repr() + " is out of range or of the wrong type");
         c.scorer = Scorer::External;
     }
 
@@ -383,11 +394,11 @@ SessionApp parse_session_app(const std::string &bytes, const SnapshotHeader &hea
 // ------------------------------------------------------------------ Session's snapshot verbs
 
 std::string Session::policy_name() const {
+    if (!policy_spec_.empty()) return json::parse(policy_spec_).find("name")->as_string();
     if (cfg_.scorer == Scorer::None) return "lru";
     if (cfg_.scorer == Scorer::Qk) return cfg_.qk.name();
     if (cfg_.scorer == Scorer::Drafter) return "drafter";
-    if (policy_spec_.empty()) return "";
-    return json::parse(policy_spec_).find("name")->as_string();
+    return "";
 }
 
 void Session::set_policy_spec(const std::string &spec) { policy_spec_ = spec.empty() ? "" : check_policy_spec(spec); }

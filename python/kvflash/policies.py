@@ -14,8 +14,8 @@ Optional members (:class:`BasePolicy` has them all, with these defaults):
 
 - ``requirements``: a :class:`Requirements` (read when the policy is installed): how many
   queries the runtime must capture for it, whether it reads chunk summaries, whether it
-  scores at all, whether the core scores it natively (:class:`PeakScorer`: qk's peak
-  scoring, no call into Python), and the memory it takes beside the session (auto pool
+  scores at all, whether the core scores it natively (:class:`QkScorer`: qk and its
+  variants, no call into Python), and the memory it takes beside the session (auto pool
   sizing leaves it free).  Default: ``Requirements()``, scored through ``score(view)``.
 - ``reset()``: the session forgot its context (``Session.reset``, a snapshot restored).
 - ``rewind(n_tokens)``: the session's history was cut back to its first n_tokens, for a
@@ -65,19 +65,23 @@ def qk_layers(layers, n_paged: int) -> int:
 
 
 @dataclass(frozen=True)
-class PeakScorer:
-    """The core's built-in scorer (``qk_peak_scores``, csrc/kvflash/scoring.cpp) and its settings: a policy whose
-    requirements name one is scored in the core at each rescore, and the session never calls its score()."""
+class QkScorer:
+    """The core's qk scorer (``QkScoring``, csrc/kvflash/scoring.h: qk and its variants) and its settings: a policy
+    whose requirements name one is scored in the core at each rescore, and the session never calls its score()."""
     n_queries: int
+    mode: str = "keys"
+    aggregate: str = "peak"
+    smooth_width: int = 5
     contrast: int = 0
     spread: int = 0
     carry: int = 0
     layers: Union[str, int, None] = "auto"
 
     def core_args(self, n_paged: int) -> dict:
-        """The settings as the core's ``Runtime.configure(qk=...)`` takes them."""
-        return dict(n_queries=self.n_queries, contrast=self.contrast, spread=self.spread,
-                    n_layers=qk_layers(self.layers, n_paged), carry=self.carry)
+        """The settings as the core's ``Runtime.configure(qk=...)`` and ``qk_policy_scores`` take them."""
+        return dict(mode=self.mode, aggregate=self.aggregate, n_queries=self.n_queries, smooth_width=self.smooth_width,
+                    contrast=self.contrast, spread=self.spread, n_layers=qk_layers(self.layers, n_paged),
+                    carry=self.carry)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class Requirements:
     scores: bool = True            # False: installs no scores, the pager's recency order rules; score() never called
     n_capture: int = 1             # the last queries the runtime keeps captured (view.history_attention's queries)
     chunk_summaries: bool = False  # the runtime keeps per-chunk key summaries (view.qk_scores)
-    native: Optional[PeakScorer] = None   # scored in the core with these settings, not through score()
+    native: Optional[QkScorer] = None   # scored in the core with these settings, not through score()
     extra_bytes: int = 0           # memory the policy takes beside the session's (auto pool sizing leaves it free)
 
     def __post_init__(self):
@@ -94,8 +98,8 @@ class Requirements:
             raise ValueError("Requirements.scores and chunk_summaries must be True or False")
         if not is_int(self.n_capture, 1, 4096):
             raise ValueError(f"Requirements.n_capture must be an integer in [1, 4096], got {self.n_capture!r}")
-        if self.native is not None and not isinstance(self.native, PeakScorer):
-            raise ValueError(f"Requirements.native must be a PeakScorer or None, got {self.native!r}")
+        if self.native is not None and not isinstance(self.native, QkScorer):
+            raise ValueError(f"Requirements.native must be a QkScorer or None, got {self.native!r}")
         if self.native is not None and self.native.n_queries + self.native.contrast > self.n_capture:
             raise ValueError("Requirements.native reads more queries (n_queries + contrast) than n_capture keeps")
         if not is_int(self.extra_bytes, 0):
@@ -118,6 +122,7 @@ class ScorerHandles(NamedTuple):
     history_attention: Callable     # (**kw) -> per-token (or per-group / per-chunk) attention of captured queries
     qk_peak_scores: Callable        # (n_chunks, **kw) -> the core's peak chunk scores
     qk_scores: Callable             # (mode) -> chunk summaries' scores ("bound" / "mean")
+    qk_policy_scores: Callable      # (n_chunks, qk settings) -> the core's qk scorer's chunk scores
     captured_queries: Callable      # () -> float32 [n_paged_layers, n_captured, ...]
     n_captured: Callable            # () -> int
     n_paged_layers: int
@@ -130,6 +135,7 @@ class ScorerHandles(NamedTuple):
         return cls(history_attention=lambda **kw: rt.history_attention(**kw),
                    qk_peak_scores=lambda n_chunks, **kw: rt.qk_peak_scores(n_chunks, **kw),
                    qk_scores=lambda mode: rt.qk_scores(mode),
+                   qk_policy_scores=lambda n_chunks, qk: rt.qk_policy_scores(n_chunks, qk),
                    captured_queries=lambda: rt.captured_queries(),
                    n_captured=lambda: rt.n_captured,
                    n_paged_layers=int(rt.n_paged_layers),
@@ -186,6 +192,10 @@ class ChunkView:
     def qk_scores(self, mode: str) -> np.ndarray:
         """Chunk summaries scored against the last query ("bound" / "mean"; needs Requirements.chunk_summaries)."""
         return self._h().qk_scores(mode)
+
+    def qk_policy_scores(self, qk: dict, n_chunks: Optional[int] = None) -> np.ndarray:
+        """The core's qk scorer with these settings (QkScorer.core_args): what a session scores a qk policy with."""
+        return self._h().qk_policy_scores(self.n_chunks if n_chunks is None else n_chunks, qk)
 
     def captured_queries(self) -> np.ndarray:
         return self._h().captured_queries()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from . import _core
 from ._checks import KV_TYPES, int_in, one_of, opt_int
 from ._pool import DRAFTER_RESERVE_BYTES
-from .policies import (BasePolicy, ChunkView, PeakScorer, PolicyContext, PolicyUnavailable, Requirements, Target,
+from .policies import (BasePolicy, ChunkView, QkScorer, PolicyContext, PolicyUnavailable, Requirements, Target,
                        qk_layers, register_policy)
 
 
@@ -104,26 +104,20 @@ class QKPolicy(BasePolicy):
         """The paged layers scored, for a runtime with n_paged of them (the core's 0 = all)."""
         return qk_layers(self.layers, n_paged)
 
+    def _scorer(self) -> QkScorer:
+        return QkScorer(n_queries=self.n_queries, mode=self.mode, aggregate=self.aggregate,
+                        smooth_width=self.smooth_width, contrast=self.contrast, spread=self.spread, carry=self.carry,
+                        layers=self.layers)
+
     @property
     def requirements(self) -> Requirements:
-        native = None
-        if self.mode == "keys" and self.aggregate == "peak" and type(self).score is QKPolicy.score:
-            native = PeakScorer(n_queries=self.n_queries, contrast=self.contrast, spread=self.spread,
-                                carry=self.carry, layers=self.layers)
+        # every mode and aggregate is the core's (QkScoring); a subclass with a score() of its own is called instead
+        native = self._scorer() if type(self).score is QKPolicy.score else None
         return Requirements(n_capture=self.n_capture, chunk_summaries=self.needs_chunk_summaries, native=native)
 
     def score(self, view: ChunkView) -> Optional[np.ndarray]:
-        if self.mode != "keys":
-            return view.qk_scores(self.mode)[: view.n_chunks]
-        nl = self.n_layers(view.n_paged_layers)
-        if self.aggregate == "peak":
-            return view.qk_peak_scores(view.n_chunks, n_queries=self.n_queries, contrast=self.contrast,
-                                       spread=self.spread, n_layers=nl, carry=self.carry)
-        q_first = max(0, view.n_captured - self.n_queries)   # the last n_queries captured (the runtime may keep more)
-        if self.aggregate == "chunk":
-            return view.history_attention(per_chunk=True, q_first=q_first, n_layers=nl)[: view.n_chunks]
-        tok_scores = view.history_attention(q_first=q_first, n_layers=nl)
-        return per_chunk_mean(smooth(tok_scores, self.smooth_width), view.chunk_tokens, view.n_chunks)
+        """What the core scores the chunks with at a rescore (the same call: scoring.h qk_scores)."""
+        return view.qk_policy_scores(self._scorer().core_args(view.n_paged_layers))
 
     def spec(self) -> dict:
         return dict(mode=self.mode, n_queries=self.n_queries, smooth_width=self.smooth_width,
@@ -133,22 +127,21 @@ class QKPolicy(BasePolicy):
     # reset: captured queries and summaries live in the runtime and are cleared by its reset
 
 
+# Token scores to chunk scores: the core's (scoring.h), the one implementation the qk scorer, the drafter and the
+# C API use; these are its Python faces.
+
 def smooth(x: np.ndarray, width: int) -> np.ndarray:
     """Centered moving average (width 1 = identity)."""
     if width <= 1 or x.size == 0:
         return x
-    k = np.ones(width, dtype=np.float64) / width
-    return np.convolve(x.astype(np.float64), k, mode="same").astype(np.float32)
+    return _core.moving_average(np.asarray(x, dtype=np.float64), width).astype(np.float32)
 
 
 def spread_max(x: np.ndarray, reach: int) -> np.ndarray:
     """Each entry becomes the max of itself and its ``reach`` neighbours on either side (0 = identity)."""
     if reach <= 0 or x.size == 0:
         return x
-    pad = np.full(x.size + 2 * reach, -np.inf, dtype=np.float64)
-    pad[reach: reach + x.size] = x
-    win = np.lib.stride_tricks.sliding_window_view(pad, 2 * reach + 1)
-    return win.max(axis=1).astype(x.dtype, copy=False)
+    return _core.spread_max(np.asarray(x, dtype=np.float64), reach).astype(x.dtype, copy=False)
 
 
 def tokens_to_chunks(tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int, *, aggregate: str = "max",
@@ -157,24 +150,17 @@ def tokens_to_chunks(tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int
     of the ``spread`` tokens on either side, then a chunk scores its peak token (``aggregate="max"``) or
     the mean of its smoothed tokens (``"mean"``)."""
     n = min(len(tok_scores), len(chunk_of))
-    if aggregate == "max":   # the core's chunk_peaks: the one implementation the C API's qk uses too
-        return _core.chunk_peaks(np.asarray(tok_scores[:n], dtype=np.float64),
-                                 np.asarray(chunk_of[:n], dtype=np.int32), n_chunks, spread)
-    x, idx = spread_max(np.asarray(tok_scores[:n], dtype=np.float64), spread), np.asarray(chunk_of[:n])
-    x = smooth(x, smooth_width)
-    out = np.bincount(idx, weights=x, minlength=n_chunks) / np.maximum(np.bincount(idx, minlength=n_chunks), 1)
-    return out.astype(np.float32)[:n_chunks]
+    x, idx = np.asarray(tok_scores[:n], dtype=np.float64), np.asarray(chunk_of[:n], dtype=np.int32)
+    if aggregate == "max":
+        return _core.chunk_peaks(x, idx, n_chunks, spread)
+    return _core.chunk_means(x, idx, n_chunks, spread, smooth_width)
 
 
 def per_chunk_mean(tok_scores: np.ndarray, chunk_tokens: int, n_chunks: int) -> np.ndarray:
+    """Each chunk's mean token score (chunk c: tokens [c * chunk_tokens, (c + 1) * chunk_tokens))."""
     n = min(tok_scores.size, n_chunks * chunk_tokens)
-    padded = np.zeros(n_chunks * chunk_tokens, dtype=np.float64)
-    counts = np.zeros(n_chunks * chunk_tokens, dtype=np.float64)
-    padded[:n] = tok_scores[:n]
-    counts[:n] = 1
-    s = padded.reshape(n_chunks, chunk_tokens).sum(1)
-    c = counts.reshape(n_chunks, chunk_tokens).sum(1)
-    return (s / np.maximum(c, 1)).astype(np.float32)
+    chunk_of = (np.arange(n) // chunk_tokens).astype(np.int32)
+    return _core.chunk_means(np.asarray(tok_scores[:n], dtype=np.float64), chunk_of, n_chunks, 0, 0)
 
 
 class DrafterPolicy(BasePolicy):
@@ -245,26 +231,18 @@ class DrafterPolicy(BasePolicy):
         if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 0):
             raise ValueError(f"drafter pool must be a non-negative token count or None (full cache), got {pool!r}")
         self.pool = pool or None
-        if aggregate not in ("max", "mean", "mass"):
-            raise ValueError(f"drafter aggregate must be 'max', 'mean' or 'mass', got {aggregate!r}")
         self.aggregate = aggregate
-        if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 4096:
+        if not isinstance(n_queries, int) or isinstance(n_queries, bool):
             raise ValueError(f"drafter n_queries must be an integer in [1, 4096], got {n_queries!r}")
-        # contrast and spread work on token scores; aggregate="mass" sums heads' chunk masses natively
-        token_level = aggregate != "mass"
-        for what, v in (("contrast", contrast), ("spread", spread)):
+        for what, v in (("contrast", contrast), ("spread", spread), ("smooth_width", smooth_width)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"drafter {what} must be a non-negative token count (0: off), got {v!r}")
-            if v and not token_level:
-                raise ValueError(f"drafter {what} works on token scores: use aggregate='max' or 'mean' with it")
-        self.contrast = (32 if token_level else 0) if contrast is None else contrast
-        self.spread = (4 if token_level else 0) if spread is None else spread
-        self.eval_layers = 0        # what the loaded drafter runtime evaluates (0: all)
-        self._model = None
-        self._rt = None
+        # the core checks the rest and resolves contrast and spread (DrafterSettings, csrc/kvflash/drafter.h)
+        s = _core.drafter_settings(n_queries=n_queries, smooth_width=smooth_width, kv_type=kv_type, layers=layers,
+                                   pool=self.pool, aggregate=aggregate, contrast=contrast, spread=spread)
+        self.contrast, self.spread = s["contrast"], s["spread"]
+        self._drafter = None        # the core's drafter scorer (_core.Drafter), made at the first score
         self._tok = None
-        self.bridged = False
-        self.fed_tokens_total = 0   # tokens evaluated by the drafter over its lifetime
 
     @property
     def requirements(self) -> Requirements:
@@ -277,137 +255,89 @@ class DrafterPolicy(BasePolicy):
                     layers=self.layers, pool=self.pool, aggregate=self.aggregate, contrast=self.contrast,
                     spread=self.spread)
 
-    # -- lazy setup ---------------------------------------------------------
+    # -- lazy setup: the core's drafter scorer (csrc/kvflash/drafter.h) does the work ----------------------
     def load(self, target: Target) -> None:
         """Load the drafter for a session now (``view.target``; otherwise done at the first rescore)."""
-        if self._rt is None:
+        if self._drafter is None:
             self._load(target)
-
-    @property
-    def layers_used(self) -> Optional[int]:
-        """Layers the loaded drafter evaluates (None before it is loaded)."""
-        if self._rt is None:
-            return None
-        return self.eval_layers or int(self._model.hparams["n_layer"])
 
     def _load(self, target: Target) -> None:
         from .tokenizer import Tokenizer
         same = os.path.realpath(self.path) == os.path.realpath(str(target.model_path))
-        if same:
-            self._model = target.model  # same weights: share them
-            self._tok = target.tokenizer
-        else:
-            try:
-                self._model = _core.Model(self.path, self.threads or target.threads)
+        try:
+            if same:   # same weights: share them
+                model, self._tok = target.model, target.tokenizer
+            else:
+                model = _core.Model(self.path, self.threads or target.threads)
                 self._tok = Tokenizer.from_gguf(self.path)
-            except Exception as e:  # an explicit drafter that fails to load is an error
-                raise ValueError(f"drafter {self.path} failed to load: {e}") from e
-        t = target.tokenizer
-        self.bridged = not (self._tok.n_vocab == t.n_vocab and self._tok.tokens == t.tokens)
-        n_layer = int(self._model.hparams["n_layer"])
-        first_global = min(self._model.global_layers)   # the scores come from full-attention layers
-        layers = self.layers
-        if layers is None:
-            layers = max(-(-n_layer // 4), min(n_layer, 8), first_global + 1)
-        if layers > n_layer:
-            raise ValueError(f"drafter layers={layers} but {self.path} has {n_layer} layers")
-        if layers <= first_global:
-            raise ValueError(f"drafter layers={layers}: the first full-attention layer of {self.path} is layer "
-                             f"{first_global} (the others use a sliding window); use layers >= {first_global + 1}")
-        self.eval_layers = 0 if layers == n_layer else layers
-        max_ctx = max(target.max_ctx * (4 if self.bridged else 1), 1024)
-        pool = 0
-        if self.pool is not None and self.pool < max_ctx:
-            pool = max(self.pool, _core.min_pool_tokens())
-        # the tail's queries and, with contrast, the baseline's (the n_queries ending `contrast` tokens
-        # earlier): one feed captures both, so every token is evaluated once however often it rescores
-        self._rt = _core.Runtime(self._model, max_ctx=max_ctx, pool_tokens=pool, kv_type=self.kv_type,
-                                 capture_queries=self._n_capture, eval_layers=self.eval_layers)
-        # the core session under it keeps the drafter's history and refills the capture window after a cut
-        self._rt.configure(reread_capture=True)
-        self._threads = self.threads or target.threads
+        except Exception as e:  # an explicit drafter that fails to load is an error
+            raise ValueError(f"drafter {self.path} failed to load: {e}") from e
+        d = _core.Drafter(model, target.max_ctx, self.threads or target.threads, n_queries=self.n_queries,
+                          smooth_width=self.smooth_width, kv_type=self.kv_type, layers=self.layers, pool=self.pool,
+                          aggregate=self.aggregate, contrast=self.contrast, spread=self.spread,
+                          target_vocab=target.tokenizer, drafter_vocab=self._tok)
+        d.load()   # its layer count checked now, against the drafter's layers (ValueError)
+        self._drafter = d
 
     @property
-    def _n_capture(self) -> int:
-        return self.n_queries + self.contrast
+    def bridged(self) -> bool:
+        """The drafter's vocabulary is not the target's: scores go through the byte-span bridge."""
+        return self._drafter is not None and self._drafter.bridged
+
+    @property
+    def fed_tokens_total(self) -> int:
+        """Tokens the drafter evaluated over its lifetime."""
+        return 0 if self._drafter is None else self._drafter.fed_tokens_total
+
+    @property
+    def layers_used(self) -> Optional[int]:
+        """Layers the loaded drafter evaluates (None before it is loaded)."""
+        return None if self._drafter is None else self._drafter.layers_used
+
+    @property
+    def eval_layers(self) -> int:
+        """What the loaded drafter runtime evaluates (0: all its layers)."""
+        return 0 if self._drafter is None else self._drafter.eval_layers
+
+    @property
+    def _rt(self):
+        """The drafter's own runtime (a view of its scoring session), None before it is loaded."""
+        return None if self._drafter is None else self._drafter.runtime()
 
     @property
     def _fed(self) -> list[int]:
         """The tokens the drafter's cache holds (its core session's history)."""
-        return [] if self._rt is None else self._rt.tokens.tolist()
+        rt = self._rt
+        return [] if rt is None else rt.tokens.tolist()
+
+    def set_interrupt(self, fn: Optional[Callable[[], bool]]) -> None:
+        """fn() is asked between the pieces of the drafter's evals (Ctrl-C always is); True stops the eval as a
+        Ctrl-C does.  The drafter must be loaded (load())."""
+        if self._drafter is None:
+            raise ValueError("set_interrupt: the drafter is not loaded yet (load(view.target) first)")
+        self._drafter.set_interrupt(fn)
 
     def rewind(self, n_tokens: int) -> None:
         """The session's history was cut back to its first n_tokens (a failed or interrupted prefill,
         ``Session.truncate``, a chat turn that diverged): forget what the drafter was fed past them.
         A bridged drafter's tokens are its own, so it finds the common prefix at its next feed instead."""
-        if self._rt is None or self.bridged or self._rt.n_past <= n_tokens:
-            return
-        try:
-            self._rt.truncate(n_tokens)
-        except ValueError:   # a sliding-window ring that does not reach back so far
-            self._rt.reset()
-
-    def _feed(self, ids: list[int]) -> None:
-        """Evaluate what the drafter has not seen of ``ids``: the core session keeps the common prefix,
-        cuts the rest and evaluates the new part, the tail whose queries are captured included."""
-        if not ids:
-            self._rt.reset()
-            return
-        reused = self._rt.continue_to(np.asarray(ids, dtype=np.int32), fresh_logits=False)
-        self.fed_tokens_total += len(ids) - reused
-
-    def _token_scores(self, first: int = -1) -> np.ndarray:
-        """Per drafter position: attention the tail's queries pay it (every key of the history);
-        ``first``: the n_queries captured from that one on instead (0: the contrast baseline)."""
-        n_cap = self._rt.n_captured
-        if first < 0:
-            first = max(0, n_cap - self.n_queries)
-        return self._rt.history_attention(n_threads=self._threads, q_first=first,
-                                          q_count=min(self.n_queries, n_cap - first))
-
-    def score(self, view: ChunkView) -> Optional[np.ndarray]:
-        if self._rt is None:
-            self._load(view.target)
-        tokens = view.tokens[: view.n_past]
-        if not self.bridged:
-            chunk_of = np.arange(view.n_past, dtype=np.int64) // view.chunk_tokens
-            return self._chunk_scores([int(t) for t in tokens], chunk_of, view.n_chunks)
-        # Cross-tokenizer bridge: map drafter token scores to target chunks by byte spans.
-        text_bytes, t_ends = view.token_bytes()
-        text = text_bytes.decode("utf-8", errors="replace")
-        d_ids = self._tok.encode(text, add_special=True, parse_special=False)
-        _, d_ends = self._tok.bytes_of(d_ids, skip_special=True)
-        d_starts = np.concatenate(([0], d_ends[:-1])) if len(d_ends) else d_ends
-        # each drafter token lands in the target chunk that holds its first byte
-        t_chunk_end = t_ends[np.minimum(np.arange(1, view.n_chunks + 1) * view.chunk_tokens, len(t_ends)) - 1]
-        chunk_of = np.searchsorted(t_chunk_end, d_starts, side="right").clip(0, view.n_chunks - 1)
-        return self._chunk_scores(d_ids, chunk_of, view.n_chunks)
-
-    def _chunk_scores(self, ids: list, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
-        """Feed the drafter up to ``ids`` and score the target's chunks (``chunk_of``: per drafter token)."""
-        self._feed(ids)
-        base = None
-        if self.contrast and self._rt.n_captured == self._n_capture:
-            base = self._token_scores(0).astype(np.float64)   # queries ending `contrast` tokens before the end
-        if self.aggregate == "mass":  # each head's attention mass per chunk, max over heads and layers
-            out = np.zeros(n_chunks, dtype=np.float32)
-            n_cap = self._rt.n_captured
-            got = self._rt.history_attention(n_threads=self._threads, groups=chunk_of.astype(np.int32),
-                                             q_first=max(0, n_cap - self.n_queries))
-            out[: len(got)] = got[:n_chunks]
-            return out
-        x = self._token_scores().astype(np.float64)
-        if base is not None:
-            x[: len(base)] -= base
-        return self._per_chunk(x, chunk_of, n_chunks)
+        if self._drafter is not None:
+            self._drafter.rewind(n_tokens)
 
     def _per_chunk(self, tok_scores: np.ndarray, chunk_of: np.ndarray, n_chunks: int) -> np.ndarray:
+        """Token scores to chunk scores with this policy's aggregate, spread and smoothing (the core's, as its
+        drafter scorer takes them)."""
         return tokens_to_chunks(tok_scores, chunk_of, n_chunks, aggregate=self.aggregate, spread=self.spread,
                                 smooth_width=self.smooth_width)
 
+    def score(self, view: ChunkView) -> Optional[np.ndarray]:
+        if self._drafter is None:
+            self._load(view.target)
+        return self._drafter.score(view.tokens[: view.n_past], view.n_chunks, view.chunk_tokens)
+
     def reset(self) -> None:
-        if self._rt is not None:
-            self._rt.reset()
+        if self._drafter is not None:
+            self._drafter.reset()
 
 
 # ---------------------------------------------------------------------- registered as a user's policy would be

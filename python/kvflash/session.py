@@ -6,6 +6,7 @@ the policy (``policies``: the protocol and the registry) and snapshots (``_snaps
 from __future__ import annotations
 
 import contextlib
+import json
 import inspect
 import os
 import sys
@@ -101,7 +102,7 @@ class Session:
         pool, self.auto_reason = pool_tokens(self.model, kvflash, kv_type=kv_type, max_ctx=max_ctx,
                                              chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
                                              tail_window_chunks=tail_window_chunks, extra_bytes=req.extra_bytes)
-        # prefill_piece changes how a prompt is cut, not what a snapshot holds, so it is not part of _config.
+        # prefill_piece changes how a prompt is cut, not what a snapshot holds, so a snapshot does not record it.
         check_prefill_piece(prefill_piece, pool, chunk_tokens, sink_chunks, tail_window_chunks)
         # the runtime's capture window and summaries are fixed here: a policy swapped in later must fit them
         self._n_capture, self._summaries = req.n_capture, req.chunk_summaries
@@ -117,11 +118,8 @@ class Session:
             # or the stream would meet an id it cannot decode.
             self.runtime.sample_vocab = self.tokenizer.n_vocab
         self.seed = seed
-        # What Session.load needs to build a session a snapshot fits (the rest is in the snapshot's header).
-        self._config = dict(max_ctx=max_ctx, kvflash=pool if pool > 0 else None, tau=tau, kv_type=kv_type,
-                            chunk_tokens=chunk_tokens, sink_chunks=sink_chunks, tail_window_chunks=tail_window_chunks,
-                            ubatch=ubatch, reeval_tokens=reeval_tokens, seed=seed, allow_long_ctx=allow_long_ctx,
-                            exact=exact, exact_draft=exact_draft, exact_prefill=exact_prefill)
+        # recorded in a snapshot (the rest of what Session.load builds from is the core's: session_file.h)
+        self._allow_long_ctx = allow_long_ctx
         self.pager = self.runtime.pager
         self.chunk_tokens = chunk_tokens
         self.kvflash = pool > 0
@@ -181,13 +179,21 @@ class Session:
         if not req.scores:
             scorer = dict(scorer="none")
         elif req.native is not None:
-            scorer = dict(scorer="peak", qk=req.native.core_args(rt.n_paged_layers))
+            scorer = dict(scorer="qk", qk=req.native.core_args(rt.n_paged_layers))
         else:
             rt.set_scorer(self._policy_scores)
             scorer = dict(scorer="external")
         rt.configure(**scorer, tau=self.tau, reeval_tokens=self.reeval_tokens, exact=self.exact,
                      exact_draft=-1 if self.exact_draft is None else self.exact_draft,
-                     exact_prefill=self.exact_prefill)
+                     exact_prefill=self.exact_prefill, allow_long_ctx=self._allow_long_ctx,
+                     seed_given=self.seed is not None)
+        # how the core names the policy (a restore compares names); its settings are taken at save()
+        rt.set_policy_spec("" if self._core_named() else json.dumps({"name": self._policy.name, "custom": True}))
+
+    def _core_named(self) -> bool:
+        """The core writes this policy's spec itself: lru, or a qk policy it scores natively."""
+        req = self._bound.requirements
+        return (not req.scores and self._policy.name == "lru") or req.native is not None
         # a policy with a history of its own (the drafter's cache) hears of cuts
         rt.set_rewind_hook(self._bound.rewind)
 
@@ -534,9 +540,9 @@ class Session:
         it is rebuilt by re-feeding the history at the first rescore after a load.
         """
         with self._using("save"):
-            app = _snapshot.app_bytes(self._config, policy_spec(self._bound), self.runtime.since_rescore,
-                                      self.runtime.rescores, self.last_scores)
-            self.runtime.save_snapshot(os.fspath(path), self.runtime.tokens, self._last_logits, app)
+            if not self._core_named():   # the policy's settings as they are now (ValueError: its spec breaks its schema)
+                self.runtime.set_policy_spec(json.dumps(policy_spec(self._bound)))
+            self.runtime.save(os.fspath(path))   # the core writes the session's JSON too (session_file.h)
 
     def restore(self, path: Union[str, os.PathLike], *, max_bytes: Optional[int] = None) -> None:
         """Replace this session's context with a snapshot's (``save``).
@@ -551,10 +557,11 @@ class Session:
         apply from here on.
         """
         with self._using("restore"):
-            # the header and the session state first (small reads), the file held to this session's geometry
-            self._check_policy(_snapshot.peek(path, self.runtime, max_bytes)[2])
-            snap = _snapshot.read(path, self.runtime, max_bytes)
-            self._restore(snap, _snapshot.check_app(snap.app, snap.header, path))
+            # the core: the header and the session state first (small reads), the file held to this session's
+            # geometry and policy, then the file read whole, checked again and applied (session_file.h)
+            self.runtime.restore(_snapshot.existing(path), max_bytes=_snapshot.max_bytes_arg(max_bytes),
+                                 where=f"snapshot {os.fspath(path)}")
+            self._restored()
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], model: Union[str, os.PathLike, "_core.Model"], *,
@@ -574,7 +581,7 @@ class Session:
         was a custom object (it must have the snapshot's policy name).  Refusals as in ``restore``.
         """
         # The header and the session state alone (small reads), checked before anything is built.
-        head, _, app = _snapshot.peek(path, None, max_bytes)
+        head, app = _snapshot.peek(path, max_bytes)
         model_path = Path(model.path) if isinstance(model, _core.Model) else resolve_model(model)
         fp = _core.model_fingerprint(str(model_path))
         size = os.path.getsize(model_path)
@@ -591,23 +598,13 @@ class Session:
         s = cls(model if isinstance(model, _core.Model) else model_path, policy=policy, drafter=drafter,
                 threads=threads, device=device, host=host, host_path=host_path, max_host_bytes=max_host_bytes,
                 verbose=verbose, **cfg)
-        snap = _snapshot.read(path, s.runtime, max_bytes)   # the same file, read whole and checked again
-        s._restore(snap, _snapshot.check_app(snap.app, snap.header, path))
+        # the same file, read whole and checked again by the core
+        s.runtime.restore(_snapshot.existing(path), max_bytes=_snapshot.max_bytes_arg(max_bytes),
+                          where=f"snapshot {os.fspath(path)}")
+        s._restored()
         return s
 
-    def _check_policy(self, app: dict) -> None:
-        want = app["policy"]["name"]
-        if want != self.policy.name:
-            raise _core.SnapshotError(f"snapshot does not fit this session: the policy differs (the file has "
-                                      f"{want!r}, this session {self.policy.name!r})")
-
-    def _restore(self, snap, app: dict) -> None:
-        self._check_policy(app)
-        st = app["state"]
-        last_scores = None if st["last_scores"] is None else np.asarray(st["last_scores"], dtype=np.float32)
-        since, rescores = int(st["since_rescore"]), int(st["rescores"])
-        snap.apply(self.runtime)   # checks everything, then replaces the native state, history and logits
-        self.runtime.restore_state(since, rescores, last_scores)
+    def _restored(self) -> None:
         self.finish_reason = None
         self._bound.reset()    # the drafter re-feeds the history at its next rescore
 
