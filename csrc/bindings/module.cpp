@@ -258,5 +258,6 @@ PYBIND11_MODULE(_core, m) {
     bind_scoring(rt);
     bind_session(rt);
     bind_gguf(m);
+    bind_tokenizer(m);
     bind_snapshot(m, rt);
 }
