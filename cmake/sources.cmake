@@ -4,6 +4,8 @@
 #   KVFLASH_CORE_SOURCES   everything in csrc/kvflash (the pager's, the loader, the runtime, the C API, ...)
 #                          but attn_bench.cpp, the attention bench's harness, which the Python module
 #                          compiles (KVFLASH_BINDING_SOURCES)
+#   tokenizer.cpp is llama.cpp's vocabulary code behind checks: every target compiling the core links
+#   kvflash-llama-vocab (third_party/ggml/llama_vocab.cmake, added with ggml)
 # Paths are absolute, so any CMakeLists may include this file.
 get_filename_component(_kvf_src "${CMAKE_CURRENT_LIST_DIR}/../csrc/kvflash" ABSOLUTE)
 set(KVFLASH_PAGER_SOURCES ${_kvf_src}/pager.cpp ${_kvf_src}/host_store.cpp)
@@ -30,4 +32,5 @@ set(KVFLASH_CORE_SOURCES
   ${_kvf_src}/drafter.cpp
   ${_kvf_src}/session_file.cpp
   ${_kvf_src}/json.cpp
+  ${_kvf_src}/tokenizer.cpp
   ${_kvf_src}/kvflash_c.cpp)

@@ -175,6 +175,120 @@ def test_c_example_matches_session_on_smollm2(c_example, tmp_path, policy="qk"):
     assert cst["n_past"] == len(ids) + 71
 
 
+# ----------------------------------------------------------------------------- the tokenizer (API version 9)
+
+def _vocab_dir():
+    from kvflash import _registry
+    try:
+        return Path(_registry.vocab_dir())
+    except Exception as e:  # no registry access and nothing cached
+        pytest.skip(f"vocab dir unavailable ({type(e).__name__}: {e})")
+
+
+# Every vocabulary the pinned sdist ships test vectors for that the core tokenizer loads (bert-bge's
+# WordPiece is refused).
+C_VOCABS = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "qwen35", "gemma-4", "phi-3", "command-r",
+            "deepseek-coder", "deepseek-llm", "falcon", "mpt", "refact", "starcoder"]
+
+
+@pytest.mark.parametrize("name", C_VOCABS)
+def test_c_tokenizer_matches_llama_cpp_vectors(c_example, name):
+    """examples/c/tokenize.c through kvflash_tokenize: every line of the .out file, and the pieces give each text back."""
+    d = _vocab_dir()
+    vocab = d / f"ggml-vocab-{name}.gguf"
+    proc = subprocess.run([str(c_example.parent / "kvflash_tokenize"), str(vocab), str(vocab) + ".inp", "--cases"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = (Path(str(vocab) + ".out")).read_text(encoding="utf-8").split("\n")
+    if want and want[-1] == "":
+        want.pop()
+    got = proc.stdout.split("\n")[:-1]
+    assert len(got) == len(want) >= 40
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.split() == w.split(), f"{name} case {i}"
+
+
+def test_c_tokenizer_from_a_model_and_special_tokens(c_example, tiny, tmp_path):
+    # the tiny model's own vocabulary (SentencePiece-style, BOS added), --special: add_special and parse_special
+    f = tmp_path / "text.txt"
+    f.write_text("Hello <s> world", encoding="utf-8")
+    proc = subprocess.run([str(c_example.parent / "kvflash_tokenize"), tiny, str(f), "--special"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from kvflash.tokenizer import Tokenizer
+    assert [int(x) for x in proc.stdout.split()] == Tokenizer.from_gguf(tiny).encode("Hello <s> world", parse_special=True)
+    missing = subprocess.run([str(c_example.parent / "kvflash_tokenize"), str(tmp_path / "none.gguf"), str(f)],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "no such GGUF file" in missing.stderr
+
+
+def test_c_tokenizer_bad_input_is_a_status(tiny):
+    """Every misuse of the tokenizer functions answers a status and a message, in a subprocess (an abort fails it)."""
+    proc = run_python(f"""
+        import ctypes
+        from kvflash import capi
+        L = ctypes.CDLL(str(capi.library_path()))
+        P, I, S = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
+        L.kvflash_vocab_load.restype = P
+        L.kvflash_vocab_load.argtypes = [ctypes.c_char_p, ctypes.c_char_p, S]
+        L.kvflash_model_load.restype = P
+        L.kvflash_model_load.argtypes = [ctypes.c_char_p, I, ctypes.c_char_p, S]
+        L.kvflash_model_vocab.restype = P
+        L.kvflash_model_vocab.argtypes = [P, ctypes.c_char_p, S]
+        L.kvflash_tokenize.argtypes = [P, ctypes.c_char_p, S, ctypes.POINTER(I), I, ctypes.c_int, ctypes.c_int,
+                                       ctypes.POINTER(I)]
+        L.kvflash_token_to_piece.argtypes = [P, I, ctypes.c_char_p, I, ctypes.c_int, ctypes.POINTER(I)]
+        L.kvflash_detokenize.argtypes = [P, ctypes.POINTER(I), I, ctypes.c_char_p, I, ctypes.c_int, ctypes.c_int,
+                                         ctypes.POINTER(I)]
+        L.kvflash_vocab_last_error.restype = ctypes.c_char_p
+        L.kvflash_vocab_free.argtypes = [P]
+        L.kvflash_model_free.argtypes = [P]
+        for f in ("n_tokens", "bos", "eos"):
+            getattr(L, "kvflash_vocab_" + f).argtypes = [P]
+        L.kvflash_vocab_is_eog.argtypes = [P, I]
+        err = ctypes.create_string_buffer(512)
+        assert L.kvflash_vocab_load(b"/nonexistent.gguf", err, 512) is None and b"no such GGUF" in err.value
+        assert L.kvflash_vocab_load(None, err, 512) is None and b"NULL" in err.value
+        m = L.kvflash_model_load({tiny!r}.encode(), 1, err, 512)
+        v = L.kvflash_model_vocab(m, err, 512)
+        assert v, err.value
+        L.kvflash_model_free(m)        # the vocab handle keeps what it needs
+        n = L.kvflash_vocab_n_tokens(v)
+        assert n > 0 and L.kvflash_vocab_n_tokens(None) == 0 and L.kvflash_vocab_bos(None) == -1
+        out = (I * 64)()
+        n_out = I(0)
+        rc = lambda: L.kvflash_vocab_last_error().decode()
+        assert L.kvflash_tokenize(v, b"hello", 5, out, 64, 1, 0, ctypes.byref(n_out)) == 0 and n_out.value >= 1
+        assert L.kvflash_tokenize(v, b"hello world", 11, out, 1, 1, 0, ctypes.byref(n_out)) == -5 and n_out.value > 1
+        assert "needed" in rc()
+        assert L.kvflash_tokenize(v, b"ab\\xffcd", 5, out, 64, 0, 0, ctypes.byref(n_out)) == -1 and "UTF-8" in rc()
+        assert L.kvflash_tokenize(v, b"\\xed\\xa0\\x80", 3, out, 64, 0, 0, ctypes.byref(n_out)) == -1  # a surrogate
+        assert L.kvflash_tokenize(None, b"a", 1, out, 64, 0, 0, ctypes.byref(n_out)) == -1 and "NULL" in rc()
+        assert L.kvflash_tokenize(v, None, 3, out, 64, 0, 0, ctypes.byref(n_out)) == -1
+        assert L.kvflash_tokenize(v, b"a", 1, None, 4, 0, 0, ctypes.byref(n_out)) == -1
+        assert L.kvflash_tokenize(v, b"a", 1, out, -1, 0, 0, ctypes.byref(n_out)) == -1
+        assert L.kvflash_tokenize(v, b"a", 1, out, 64, 0, 0, None) == -1
+        assert L.kvflash_tokenize(v, b"a", 2**31 + 5, out, 64, 0, 0, ctypes.byref(n_out)) == -1 and "2^31" in rc()
+        buf = ctypes.create_string_buffer(64)
+        for bad in (-1, n, 2**31 - 1):
+            assert L.kvflash_token_to_piece(v, bad, buf, 64, 1, ctypes.byref(n_out)) == -2 and "out of range" in rc()
+            assert L.kvflash_vocab_is_eog(v, bad) == 0
+        ids = (I * 3)(1, n + 7, 2)
+        assert L.kvflash_detokenize(v, ids, 3, buf, 64, 0, 0, ctypes.byref(n_out)) == -2
+        assert L.kvflash_detokenize(v, ids, -1, buf, 64, 0, 0, ctypes.byref(n_out)) == -1
+        assert L.kvflash_detokenize(v, None, 2, buf, 64, 0, 0, ctypes.byref(n_out)) == -1
+        assert L.kvflash_tokenize(v, b"hello", 5, out, 64, 0, 0, ctypes.byref(n_out)) == 0 and rc() == ""
+        k = n_out.value
+        assert L.kvflash_detokenize(v, out, k, buf, 64, 0, 0, ctypes.byref(n_out)) == 0
+        assert buf.raw[:n_out.value] == b"hello", buf.raw[:n_out.value]
+        assert L.kvflash_detokenize(v, out, k, buf, 1, 0, 0, ctypes.byref(n_out)) == -5 and n_out.value == 5
+        L.kvflash_vocab_free(v)
+        L.kvflash_vocab_free(None)
+        print("STATUSES OK")
+    """)
+    assert proc.returncode == 0 and "STATUSES OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 # ----------------------------------------------------------------------------- the size guard
 
 def test_max_context_constant():

@@ -89,6 +89,7 @@ void bind_scoring(RuntimeClass &cls);   // the scoring kernels, as Runtime metho
 void bind_session(RuntimeClass &cls);   // the core session's verbs, as Runtime methods
 void bind_drafter(py::module_ &m);      // _core.Drafter, the drafter scorer (drafter.h)
 void bind_gguf(py::module_ &m);         // gguf_metadata
+void bind_tokenizer(py::module_ &m);    // Vocab (the core tokenizer)
 void bind_snapshot(py::module_ &m, RuntimeClass &cls);  // Snapshot, Runtime.save_snapshot
 
 }  // namespace kvflash::bindings

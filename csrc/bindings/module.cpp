@@ -283,5 +283,6 @@ PYBIND11_MODULE(_core, m) {
     bind_session(rt);
     bind_drafter(m);
     bind_gguf(m);
+    bind_tokenizer(m);
     bind_snapshot(m, rt);
 }

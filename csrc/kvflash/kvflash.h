@@ -27,7 +27,8 @@
  * never make a call fail and never wait: while a call runs on the session they
  * answer busy (since API version 6; see each), otherwise the call that starts
  * next waits the few loads they take.  kvflash_default_params,
- * kvflash_default_sampling and kvflash_version are safe from any thread.
+ * kvflash_default_sampling and kvflash_version are safe from any thread, and so is every
+ * kvflash_vocab function (a vocabulary never changes after it is loaded).
  *
  * Compatibility: KVFLASH_API_VERSION counts C API revisions.  struct
  * kvflash_params begins with its own size: a program compiled against an older
@@ -59,6 +60,7 @@ enum kvflash_status {
     KVFLASH_ERANGE = -2,   /* position / token / chunk outside the allowed range */
     KVFLASH_ERUNTIME = -3, /* the backend failed (allocation, compute, I/O) */
     KVFLASH_EBUSY = -4,    /* since API version 4: another thread is in a call on this session; nothing done */
+    KVFLASH_ESIZE = -5,    /* since API version 9: the output buffer is too small; *n_out has the size needed */
 };
 
 struct kvflash_params {
@@ -233,6 +235,67 @@ struct kvflash_stats kvflash_get_stats(const kvflash_session *session);
 /* The last error message of this session ("" if none); while another thread is in a call
  * on it, a fixed message saying so.  Valid until the next call on it. */
 const char *kvflash_last_error(const kvflash_session *session);
+
+/* -- Tokenizer, since API version 9 ---------------------------------------------------------
+ * llama.cpp's own (its vocabulary code from the sdist kvflash is built against), so the ids are
+ * llama_tokenize's and the text llama_token_to_piece's / llama_detokenize's; kvflash.Tokenizer
+ * (Python) encodes through the same code.  Vocabularies: tokenizer.ggml.model "llama", "gpt2" or
+ * "gemma4" with every pre-tokenizer llama.cpp knows.
+ *
+ *   kvflash_vocab *v = kvflash_model_vocab(m, err, sizeof err);   // or kvflash_vocab_load(path, ...)
+ *   int32_t ids[4096], n;
+ *   if (kvflash_tokenize(v, text, strlen(text), ids, 4096, 1, 1, &n) == KVFLASH_ESIZE) ... // n: needed
+ *   char piece[256]; int32_t len;
+ *   kvflash_token_to_piece(v, ids[0], piece, sizeof piece, 0, &len);                        // no NUL
+ *   kvflash_vocab_free(v);
+ *
+ * A vocabulary is immutable: every function here may be called from any thread at once.  Bad input
+ * (text that is not UTF-8, an id outside [0, n_tokens), a NULL pointer, lengths past 2^31-1) returns a
+ * status, never aborts; the message of the calling thread's last failed call is
+ * kvflash_vocab_last_error(). */
+typedef struct kvflash_vocab kvflash_vocab;
+
+/* The tokenizer of a GGUF file, from its metadata alone (no weights are read: a vocab-only file such
+ * as llama.cpp's models/ggml-vocab-*.gguf will do).  NULL with the reason in err on failure (not a
+ * GGUF, no tokenizer, an unsupported model or pre-tokenizer). */
+kvflash_vocab *kvflash_vocab_load(const char *path, char *err, size_t err_len);
+/* The model's tokenizer (built from its metadata on the first call, shared after).  The handle keeps
+ * what it needs alive: free it with kvflash_vocab_free, before or after the model. */
+kvflash_vocab *kvflash_model_vocab(const kvflash_model *model, char *err, size_t err_len);
+void kvflash_vocab_free(kvflash_vocab *vocab);
+
+int32_t kvflash_vocab_n_tokens(const kvflash_vocab *vocab);     /* 0 for NULL */
+/* Special ids, -1 when the vocabulary has none. */
+int32_t kvflash_vocab_bos(const kvflash_vocab *vocab);
+int32_t kvflash_vocab_eos(const kvflash_vocab *vocab);
+int32_t kvflash_vocab_eot(const kvflash_vocab *vocab);
+/* 1 when kvflash_tokenize(add_special = 1) puts BOS first (EOS last), else 0. */
+int kvflash_vocab_add_bos(const kvflash_vocab *vocab);
+int kvflash_vocab_add_eos(const kvflash_vocab *vocab);
+/* is_eog: 1 when token ends generation (eos, eot, eom and the end-of-turn tokens llama.cpp knows by
+ * text); is_control: 1 for a control token (what special = 0 renders as nothing).  0 otherwise, and
+ * for an id out of range. */
+int kvflash_vocab_is_eog(const kvflash_vocab *vocab, int32_t token);
+int kvflash_vocab_is_control(const kvflash_vocab *vocab, int32_t token);
+
+/* text[0 .. text_len) (UTF-8, need not be NUL-terminated) to ids.  add_special: BOS / EOS as the
+ * vocabulary asks; parse_special: control tokens written in the text become their ids.  *n_out gets
+ * the number of ids; when that is more than n_max, nothing is written and KVFLASH_ESIZE returned
+ * (tokens may be NULL with n_max 0 to ask the size).  KVFLASH_EINVAL for text that is not UTF-8. */
+int kvflash_tokenize(const kvflash_vocab *vocab, const char *text, size_t text_len, int32_t *tokens, int32_t n_max,
+                     int add_special, int parse_special, int32_t *n_out);
+/* The bytes of one token into buf (no NUL).  special = 0 renders control tokens as nothing.  *n_out:
+ * the piece's length; KVFLASH_ESIZE when it is more than buf_len (nothing written); KVFLASH_ERANGE
+ * for an id out of range.  A piece may be part of a UTF-8 character: join the bytes of several. */
+int kvflash_token_to_piece(const kvflash_vocab *vocab, int32_t token, char *buf, int32_t buf_len, int special,
+                           int32_t *n_out);
+/* The text of n ids into text (no NUL), as llama_detokenize: remove_special drops the BOS / EOS that
+ * add_special puts, unparse_special renders control tokens.  *n_out and KVFLASH_ESIZE as above. */
+int kvflash_detokenize(const kvflash_vocab *vocab, const int32_t *tokens, int32_t n, char *text, int32_t text_max,
+                       int remove_special, int unparse_special, int32_t *n_out);
+/* The message of this thread's last failed kvflash_vocab call ("" if none).  Valid until the thread's
+ * next vocab call. */
+const char *kvflash_vocab_last_error(void);
 
 #ifdef __cplusplus
 }

@@ -19,6 +19,7 @@
 #include "kvflash/session.h"
 #include "kvflash/session_file.h"
 #include "kvflash/snapshot.h"
+#include "kvflash/tokenizer.h"
 
 #ifndef KVFLASH_VERSION_STRING
 #define KVFLASH_VERSION_STRING "unknown"
@@ -26,6 +27,11 @@
 
 struct kvflash_model {
     std::shared_ptr<kvflash::Model> m;
+};
+
+// A tokenizer handle: immutable, so no busy flag; the message of a failed call is the thread's.
+struct kvflash_vocab {
+    std::shared_ptr<const kvflash::Tokenizer> t;
 };
 
 // A session: the core session (csrc/kvflash/session.h: the schedule, the scorers, the history
@@ -503,3 +509,129 @@ const char *kvflash_last_error(const kvflash_session *s) {
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------- the tokenizer (API version 9)
+
+namespace {
+
+thread_local std::string t_vocab_err;
+
+// f's exceptions as statuses and this thread's message, as guarded() does for a session.
+template <class F> int vocab_call(const kvflash_vocab *v, F f) {
+    try {
+        if (!v) throw std::invalid_argument("vocab is NULL");
+        const int rc = f(*v->t);
+        if (rc == KVFLASH_OK) t_vocab_err.clear();
+        return rc;
+    } catch (const std::out_of_range &e) {
+        t_vocab_err = e.what();
+        return KVFLASH_ERANGE;
+    } catch (const std::invalid_argument &e) {
+        t_vocab_err = e.what();
+        return KVFLASH_EINVAL;
+    } catch (const std::bad_alloc &) {
+        t_vocab_err = "out of memory";
+        return KVFLASH_ERUNTIME;
+    } catch (const std::exception &e) {
+        t_vocab_err = e.what();
+        return KVFLASH_ERUNTIME;
+    } catch (...) {
+        t_vocab_err = "unknown error";
+        return KVFLASH_ERUNTIME;
+    }
+}
+
+// n bytes or ids ready in `have`: into out when they fit (n_max of them), the size in *n_out either way.
+template <class T> int hand_out(const T *have, size_t n, T *out, int32_t n_max, int32_t *n_out) {
+    if (n > size_t(INT32_MAX)) throw std::invalid_argument("the result is longer than 2^31-1");
+    *n_out = int32_t(n);
+    if (int64_t(n) > int64_t(n_max)) {
+        t_vocab_err = "the output buffer holds " + std::to_string(n_max) + ", " + std::to_string(n) + " needed";
+        return KVFLASH_ESIZE;
+    }
+    if (n) std::memcpy(out, have, n * sizeof(T));
+    return KVFLASH_OK;
+}
+
+void check_out(const void *buf, int32_t n_max, const int32_t *n_out) {
+    if (!n_out) throw std::invalid_argument("n_out is NULL");
+    if (n_max < 0) throw std::invalid_argument("the output buffer's length is negative");
+    if (n_max > 0 && !buf) throw std::invalid_argument("the output buffer is NULL with a length above 0");
+}
+
+kvflash_vocab *make_vocab(char *err, size_t err_len, const std::function<std::shared_ptr<const kvflash::Tokenizer>()> &f) {
+    try {
+        auto t = f();
+        return new kvflash_vocab{std::move(t)};
+    } catch (const std::exception &e) {
+        put_err(err, err_len, e.what());
+    } catch (...) {
+        put_err(err, err_len, "unknown error");
+    }
+    return nullptr;
+}
+
+}  // namespace
+
+kvflash_vocab *kvflash_vocab_load(const char *path, char *err, size_t err_len) {
+    return make_vocab(err, err_len, [&] {
+        if (!path) throw std::invalid_argument("path is NULL");
+        return kvflash::Tokenizer::load(path);
+    });
+}
+
+kvflash_vocab *kvflash_model_vocab(const kvflash_model *model, char *err, size_t err_len) {
+    return make_vocab(err, err_len, [&] {
+        if (!model) throw std::invalid_argument("model is NULL");
+        return model->m->tokenizer();
+    });
+}
+
+void kvflash_vocab_free(kvflash_vocab *vocab) { delete vocab; }
+
+int32_t kvflash_vocab_n_tokens(const kvflash_vocab *v) { return v ? v->t->n_vocab() : 0; }
+int32_t kvflash_vocab_bos(const kvflash_vocab *v) { return v ? v->t->bos() : -1; }
+int32_t kvflash_vocab_eos(const kvflash_vocab *v) { return v ? v->t->eos() : -1; }
+int32_t kvflash_vocab_eot(const kvflash_vocab *v) { return v ? v->t->eot() : -1; }
+int kvflash_vocab_add_bos(const kvflash_vocab *v) { return v && v->t->add_bos() ? 1 : 0; }
+int kvflash_vocab_add_eos(const kvflash_vocab *v) { return v && v->t->add_eos() ? 1 : 0; }
+
+int kvflash_vocab_is_eog(const kvflash_vocab *v, int32_t token) {
+    return v && token >= 0 && token < v->t->n_vocab() && v->t->is_eog(token) ? 1 : 0;
+}
+
+int kvflash_vocab_is_control(const kvflash_vocab *v, int32_t token) {
+    return v && token >= 0 && token < v->t->n_vocab() && v->t->is_control(token) ? 1 : 0;
+}
+
+int kvflash_tokenize(const kvflash_vocab *vocab, const char *text, size_t text_len, int32_t *tokens, int32_t n_max,
+                     int add_special, int parse_special, int32_t *n_out) {
+    return vocab_call(vocab, [&](const kvflash::Tokenizer &t) {
+        check_out(tokens, n_max, n_out);
+        if (!text && text_len) throw std::invalid_argument("text is NULL with a length above 0");
+        const auto ids = t.encode(std::string_view(text ? text : "", text_len), add_special != 0, parse_special != 0);
+        return hand_out(ids.data(), ids.size(), tokens, n_max, n_out);
+    });
+}
+
+int kvflash_token_to_piece(const kvflash_vocab *vocab, int32_t token, char *buf, int32_t buf_len, int special,
+                           int32_t *n_out) {
+    return vocab_call(vocab, [&](const kvflash::Tokenizer &t) {
+        check_out(buf, buf_len, n_out);
+        const std::string p = t.token_to_piece(token, special != 0);
+        return hand_out(p.data(), p.size(), buf, buf_len, n_out);
+    });
+}
+
+int kvflash_detokenize(const kvflash_vocab *vocab, const int32_t *tokens, int32_t n, char *text, int32_t text_max,
+                       int remove_special, int unparse_special, int32_t *n_out) {
+    return vocab_call(vocab, [&](const kvflash::Tokenizer &t) {
+        check_out(text, text_max, n_out);
+        if (n < 0) throw std::invalid_argument("n is negative");
+        if (n > 0 && !tokens) throw std::invalid_argument("tokens is NULL with n above 0");
+        const std::string s = t.decode(tokens, size_t(n), remove_special != 0, unparse_special != 0);
+        return hand_out(s.data(), s.size(), text, text_max, n_out);
+    });
+}
+
+const char *kvflash_vocab_last_error(void) { return t_vocab_err.c_str(); }

@@ -22,6 +22,7 @@
 #include "ggml.h"
 #include "gguf.h"
 #include "kvflash/device.h"
+#include "kvflash/tokenizer.h"
 
 namespace kvflash {
 
@@ -113,6 +114,10 @@ public:
     // on different threads take this lock, one at a time (Runtime::eval_piece).
     std::mutex &compute_mutex() const { return compute_mu_; }
     int32_t n_threads() const { return n_threads_; }
+    // The model's tokenizer (tokenizer.h: llama.cpp's, from this file's tokenizer.* metadata), built
+    // on the first call and shared after; TokenizerError when the file has none kvflash can use (the
+    // next call tries again).  Thread-safe.
+    std::shared_ptr<const Tokenizer> tokenizer() const;
     // Model layer indices whose attention is global (these are paged).
     std::vector<int32_t> global_layers() const;
 
@@ -152,6 +157,8 @@ private:
     Hparams hp_;
     const ArchOps *arch_ = nullptr;
     gguf_context *gguf_ = nullptr;
+    mutable std::mutex tokenizer_mu_;
+    mutable std::shared_ptr<const Tokenizer> tokenizer_;
     ggml_context *meta_ = nullptr;
     ggml_backend_t backend_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;

@@ -723,6 +723,12 @@ Model::~Model() {
     if (map_) ::munmap(map_, map_bytes_);
 }
 
+std::shared_ptr<const Tokenizer> Model::tokenizer() const {
+    std::lock_guard<std::mutex> lk(tokenizer_mu_);
+    if (!tokenizer_) tokenizer_ = Tokenizer::from_gguf(gguf_, path_);
+    return tokenizer_;
+}
+
 void Model::set_n_threads(int32_t n) {
     if (n <= 0) throw std::invalid_argument("n_threads must be >= 1");
     if (n > GGML_MAX_N_THREADS)

@@ -26,6 +26,9 @@ GGML_SDIST = {
     "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
     "ggml_dir": "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml",
     "models_dir": "llama_cpp_python-0.3.36/vendor/llama.cpp/models",
+    # llama.cpp itself: the core's tokenizer is llama.cpp's vocabulary code (src/llama-vocab.cpp and the few
+    # files it needs), compiled from here at build time (third_party/ggml/llama_vocab.cmake)
+    "llama_dir": "llama_cpp_python-0.3.36/vendor/llama.cpp",
     # the llama.cpp commit the sdist vendors (ggml's own build would report the enclosing checkout's)
     "llama_cpp_commit": "0c1e570",
 }
@@ -188,10 +191,17 @@ def main(argv: list[str]) -> int:
         # CMake: unpack ggml into the build tree, print its path.
         print(extract_members(ggml_sdist(), GGML_SDIST["ggml_dir"], Path(argv[2])))
         return 0
+    if len(argv) == 3 and argv[1] == "llama-src":
+        # CMake: unpack llama.cpp's src/ and include/ (the vocabulary code) into the build tree, print
+        # the llama.cpp directory that holds them.
+        for sub in ("src", "include"):
+            extract_members(ggml_sdist(), f"{GGML_SDIST['llama_dir']}/{sub}", Path(argv[2]))
+        print(Path(argv[2]) / GGML_SDIST["llama_dir"])
+        return 0
     if len(argv) == 2 and argv[1] == "vocab-dir":
         print(vocab_dir())
         return 0
-    print("usage: _registry.py ggml-sdist DEST | vocab-dir", file=sys.stderr)
+    print("usage: _registry.py ggml-sdist DEST | llama-src DEST | ggml-commit | vocab-dir", file=sys.stderr)
     return 2
 
 

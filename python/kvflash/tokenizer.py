@@ -1,28 +1,27 @@
-"""Tokenizer built from GGUF tokenizer metadata (llama.cpp conventions).
+"""Tokenizer built from GGUF tokenizer metadata: llama.cpp's own.
 
-Encoding runs on the HuggingFace ``tokenizers`` library: the GGUF vocabulary is
-turned into a ``tokenizers.models.BPE`` model (byte-level BPE for
-``tokenizer.ggml.model == "gpt2"``, SentencePiece-style BPE with byte fallback
-for ``"llama"``) with the pre-tokenizer split regexes llama.cpp uses for each
-``tokenizer.ggml.pre`` family (:mod:`kvflash.pretokenizers`).
+Encoding is the core's (``_core.Vocab``, csrc/kvflash/tokenizer.h): llama.cpp's
+``llama_vocab`` from the pinned sdist, compiled into libkvflash, so the ids are
+``llama_tokenize``'s for every vocabulary and pre-tokenizer llama.cpp knows, the
+same ids a C program gets from ``kvflash_tokenize``.  It releases the GIL while
+it works: a server thread tokenizing a prompt of megabytes leaves the other
+threads, its event loop among them, running.
 
 Decoding is a direct id -> bytes table, one path for ``decode``, streaming
-(:class:`StreamDecoder`) and byte spans (``bytes_of``).  It stays hand-written
-because ``tokenizers``' decoders do not reproduce llama.cpp: they return text,
-never bytes (a token holding part of a UTF-8 character has no text of its own);
-ByteFallback turns a run of byte tokens with one invalid byte into all U+FFFD where
-llama.cpp keeps the valid bytes; ByteLevel byte-decodes user-defined tokens that
-llama.cpp emits as written (deepseek's ``ü``); DecodeStream neither flushes nor
-reports held-back bytes.
+(:class:`StreamDecoder`) and byte spans (``bytes_of``); the table is the core's
+``token_to_piece`` of every id (llama.cpp's pieces), so only the joining is
+written here: bytes concatenated, held back while a UTF-8 character is
+incomplete, the one space a SentencePiece encoder prepends removed.
 
 Metadata comes from ggml's GGUF reader (:mod:`kvflash.gguf_metadata`, through the
-native extension); :meth:`Tokenizer.from_metadata` needs only numpy, tokenizers
-and jinja2.  Chat templates: :mod:`kvflash.chat_template`.
+native extension).  Chat templates: :mod:`kvflash.chat_template`.
 """
 from __future__ import annotations
 
 import codecs
 import os
+import tempfile
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +29,6 @@ import numpy as np
 # Absolute imports: the tokenizer tests load this file directly, outside the package.
 from kvflash.chat_template import ChatTemplates
 from kvflash.gguf_metadata import md_int, md_list, md_str, read_gguf_metadata
-from kvflash.pretokenizers import EOT_TEXTS, PRE_ALIASES, PRE_FAMILIES
 
 __all__ = [
     "Tokenizer",
@@ -53,13 +51,13 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
-_SPM_SPACE = "\u2581"  # "▁"
+# Texts at least this long are encoded with the GIL released (every text is, since the core took
+# over encoding; kept for callers that read it).
+GIL_FREE_CHARS = 1 << 15
 
-# The longest SentencePiece piece whose merges are derived (see Tokenizer._build_spm).
-SPM_MAX_PIECE_CHARS = 256
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode char table."""
+    """GPT-2's reversible byte -> printable unicode char table (tests build byte-level vocabularies with it)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -72,173 +70,120 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+def _core():
+    from kvflash import _core
+    return _core
 
 
-def _byte_token_value(text: str) -> int | None:
-    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+# Scalar keys llama.cpp reads as uint32 / bool (its loader checks a key's type exactly).
+_BOOL_KEYS = ("add_bos_token", "add_eos_token", "add_sep_token", "add_space_prefix", "remove_extra_whitespaces",
+              "normalizer_lowercase", "normalizer_strip_accents")
+
+
+def _write_vocab_gguf(md: Mapping[str, Any], path: Path) -> None:
+    """md's keys as a metadata-only GGUF, typed as llama.cpp reads them."""
+    import gguf
+    arch = md_str(md.get("general.architecture")) or "unknown"
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, v in md.items():
+        if key == "general.architecture":
+            continue
+        name = key.rsplit(".", 1)[-1]
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        if isinstance(v, (list, tuple)):
+            v = [md_str(x) if isinstance(x, (bytes, bytearray)) else x for x in v]
+            if key.endswith(".scores"):
+                w.add_array(key, [float(x) for x in v])
+            elif key.endswith(".token_type"):
+                w.add_array(key, [int(x) for x in v])
+            elif v:
+                w.add_array(key, list(v))
+        elif isinstance(v, bool) or name in _BOOL_KEYS:
+            w.add_bool(key, bool(md_int(v) if not isinstance(v, bool) else v))
+        elif isinstance(v, (int, np.integer)):
+            (w.add_uint32 if 0 <= int(v) < 1 << 32 else w.add_int64)(key, int(v))
+        elif isinstance(v, (float, np.floating)):
+            w.add_float32(key, float(v))
+        elif isinstance(v, (str, bytes, bytearray)):
+            w.add_string(key, md_str(v) if not isinstance(v, str) else v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def _vocab_from_metadata(md: Mapping[str, Any]):
+    if md_str(md.get("tokenizer.ggml.model")) is None:
+        raise ValueError("GGUF metadata has no tokenizer.ggml.model: no tokenizer in this file")
+    with tempfile.TemporaryDirectory(prefix="kvflash-vocab-") as d:
+        p = Path(d) / "vocab.gguf"
+        _write_vocab_gguf(md, p)
         try:
-            return int(text[3:5], 16)
-        except ValueError:
-            return None
-    return None
+            return _core().Vocab.load(str(p))
+        except ValueError as e:
+            raise ValueError(str(e).replace(str(p) + ": ", "")) from None
 
 
 # --------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------
 
-# Texts longer than this are encoded through encode_batch, which releases the GIL while it works (encode
-# holds it): a server thread tokenizing a prompt of megabytes leaves the other threads, its event loop among
-# them, running.  The same ids either way.
-GIL_FREE_CHARS = 1 << 15
-
-
-def _hf_encode(hf, text: str):
-    if len(text) > GIL_FREE_CHARS:
-        return hf.encode_batch([text], add_special_tokens=False)[0]
-    return hf.encode(text, add_special_tokens=False)
-
 
 class Tokenizer:
-    """Tokenizer described by GGUF ``tokenizer.*`` metadata.
+    """Tokenizer described by GGUF ``tokenizer.*`` metadata: llama.cpp's (see the module docstring).
 
-    Attributes: ``n_vocab``, ``bos_id``, ``eos_id``, ``eot_ids`` (eos and every
-    token that ends a turn), ``add_bos``, ``add_eos``, ``add_space_prefix``,
-    ``model`` ("gpt2" or "llama"), ``pre`` (the ``tokenizer.ggml.pre`` value),
-    ``tokens`` (vocabulary strings), ``token_types``, ``chat_template``.
+    Attributes: ``n_vocab``, ``bos_id``, ``eos_id``, ``unk_id``, ``pad_id`` (None when absent), ``eot_ids``
+    (the ids that end generation: llama.cpp's end-of-generation set), ``add_bos``, ``add_eos``,
+    ``add_space_prefix``, ``model`` ("llama", "gpt2" or "gemma4"), ``pre`` (the ``tokenizer.ggml.pre``
+    value), ``tokens`` (vocabulary strings), ``token_types``, ``chat_template``.
     """
 
-    def __init__(self, md: Mapping[str, Any]):
+    def __init__(self, md: Mapping[str, Any], vocab: Any = None):
+        """md: the GGUF's ``tokenizer.*`` metadata; vocab: its ``_core.Vocab`` (built from md when None)."""
+        self._vocab = vocab if vocab is not None else _vocab_from_metadata(md)
         self._read_vocab(md)
-        self._build_encoders(md)
-        self.eot_ids: set[int] = self._end_of_turn_ids(md)
         self._build_piece_table()
         self._chat_templates = ChatTemplates()
 
     def _read_vocab(self, md: Mapping[str, Any]) -> None:
-        """The vocabulary, its token types and the special ids."""
-        model = md_str(md.get("tokenizer.ggml.model"))
-        if model is None:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.model: no tokenizer in this file")
-        if model not in ("gpt2", "llama"):
-            raise ValueError(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
-                             "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
-        self.model = model
-        tokens = [md_str(t) if not isinstance(t, str) else t
-                  for t in md_list(md.get("tokenizer.ggml.tokens"))]
-        if not tokens:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+        """The vocabulary strings and types (metadata), the special ids and flags (llama.cpp's, from the core)."""
+        v = self._vocab
+        self.model: str = v.model
+        self.pre: str | None = md_str(md.get("tokenizer.ggml.pre"))
+        n = v.n_vocab
+        tokens = [md_str(t) if not isinstance(t, str) else t for t in md_list(md.get("tokenizer.ggml.tokens"))]
+        if len(tokens) != n:  # the metadata given is not the vocabulary's: take the core's strings
+            tokens = [v.token_text(i) for i in range(n)]
         tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        n = len(tokens)
-        types = [int(x) for x in md_list(md.get("tokenizer.ggml.token_type"))] or [TOKEN_TYPE_NORMAL] * n
-        if len(types) < n:
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-        types = types[:n]
+        types = [int(x) for x in md_list(md.get("tokenizer.ggml.token_type"))][:n]
+        if len(types) != n:
+            types = [TOKEN_TYPE_NORMAL] * n
         self.tokens: list[str] = tokens
         self.token_types: list[int] = types
         self.n_vocab: int = n
-
-        self.bos_id = md_int(md.get("tokenizer.ggml.bos_token_id"))
-        self.eos_id = md_int(md.get("tokenizer.ggml.eos_token_id"))
-        self.unk_id = md_int(md.get("tokenizer.ggml.unknown_token_id"))
-        self.pad_id = md_int(md.get("tokenizer.ggml.padding_token_id"))
-        for name in ("bos_id", "eos_id", "unk_id", "pad_id"):
-            v = getattr(self, name)
-            if v is not None and not (0 <= v < n):
-                setattr(self, name, None)
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = v.bos_id, v.eos_id, v.unk_id, v.pad_id
+        self.add_bos: bool = v.add_bos
+        self.add_eos: bool = v.add_eos
+        self.add_space_prefix: bool = v.add_space_prefix
+        self.eot_ids: set[int] = self._end_of_turn_ids(md)
         self.chat_template: str | None = md_str(md.get("tokenizer.chat_template"))
-
-        token_to_id: dict[str, int] = {}
-        for i, t in enumerate(tokens):  # later duplicates win, as in llama.cpp
-            token_to_id[t] = i
-        self._token_to_id = token_to_id
-
-    def _build_encoders(self, md: Mapping[str, Any]) -> None:
-        """The ``tokenizers`` encoder for the model type and pre-tokenizer family, and the BOS/EOS/space flags."""
-        from tokenizers import AddedToken
-
-        model, tokens, types = self.model, self.tokens, self.token_types
-        pre = md_str(md.get("tokenizer.ggml.pre"))
-        self.pre = pre
-        if model == "gpt2":
-            family_name = PRE_ALIASES.get(pre or "default")
-            if family_name is None:
-                raise ValueError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) "
-                                 "for tokenizer model 'gpt2'")
-            family = PRE_FAMILIES[family_name]
-            self._byte_encode = family.get("byte_encode", True)
-            default_add_bos = family.get("add_bos", False)
-            default_space_prefix = False
-            hf = self._build_bpe(md, family)
-        else:
-            self._byte_encode = False
-            default_add_bos = True
-            default_space_prefix = True
-            hf = None  # built below, after add_space_prefix is known
-
-        def md_bool(key: str, default: bool) -> bool:
-            v = md.get(key)
-            return default if v is None else bool(md_int(v) if not isinstance(v, bool) else v)
-
-        self.add_bos: bool = md_bool("tokenizer.ggml.add_bos_token", default_add_bos)
-        self.add_eos: bool = md_bool("tokenizer.ggml.add_eos_token", False)
-        self.add_space_prefix: bool = md_bool("tokenizer.ggml.add_space_prefix", default_space_prefix)
-        if model == "llama":
-            hf = self._build_spm(md)
-
-        # Added tokens.  User-defined tokens are always matched in text (llama.cpp
-        # does the same); control and unknown tokens only with parse_special=True,
-        # which uses a second tokenizer that knows them.
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED]
-        if user:
-            hf.add_tokens(user)
-        specials = [AddedToken(t, normalized=False, special=True)
-                    for t, ty in zip(tokens, types) if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)]
-        self._hf_plain = hf
-        self._hf_special_tokens = specials
-        self._hf_special = None if specials else hf
+        self._token_to_id = {t: i for i, t in enumerate(tokens)}
 
     def _end_of_turn_ids(self, md: Mapping[str, Any]) -> set[int]:
-        """eos, the eot/eom ids, and the typed tokens whose text ends a turn."""
-        n, types = self.n_vocab, self.token_types
-        eot = set()
-        if self.eos_id is not None:
-            eot.add(self.eos_id)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            v = md_int(md.get(key))
-            if v is not None and 0 <= v < n:
-                eot.add(v)
-        # by text, as llama.cpp does, but only tokens that are not plain text
-        # (Qwen2's vocabulary has an ordinary "</s>" token, for instance)
+        """llama.cpp's end-of-generation ids, less the tokens the GGUF types as plain text that llama.cpp adds
+        by their text alone (Qwen2's vocabulary has an ordinary "</s>" token, which llama.cpp at the pinned
+        sdist makes a control token that ends generation): eos and the eot/eom ids always stay."""
+        keep = {self.eos_id, md_int(md.get("tokenizer.ggml.eot_token_id")), md_int(md.get("tokenizer.ggml.eom_token_id"))}
         typed = bool(md_list(md.get("tokenizer.ggml.token_type")))
-        for t in EOT_TEXTS:
-            i = self._token_to_id.get(t)
-            if i is not None and (not typed or types[i] != TOKEN_TYPE_NORMAL):
-                eot.add(i)
-        return eot
+        return {i for i in self._vocab.eog_ids
+                if i in keep or not typed or self.token_types[i] != TOKEN_TYPE_NORMAL}
 
     def _build_piece_table(self) -> None:
-        """id -> bytes for decoding, as llama.cpp's token_to_piece; special (control/unknown) ids flagged."""
-        self._special = np.zeros(self.n_vocab, dtype=bool)
-        pieces: list[bytes] = []
-        for i, (t, ty) in enumerate(zip(self.tokens, self.token_types)):
-            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
-                self._special[i] = True
-                pieces.append(t.encode("utf-8", "surrogateescape"))
-            elif ty == TOKEN_TYPE_USER_DEFINED:
-                pieces.append(t.encode("utf-8", "surrogateescape"))
-            elif ty == TOKEN_TYPE_BYTE and _byte_token_value(t) is not None:
-                pieces.append(bytes([_byte_token_value(t)]))
-            elif ty == TOKEN_TYPE_NORMAL:
-                if self.model == "llama" or not self._byte_encode:
-                    pieces.append(t.replace(_SPM_SPACE, " ").encode("utf-8", "surrogateescape"))
-                else:
-                    pieces.append(self._byte_level_decode(t))
-            else:  # undefined / unused: renders as nothing, like llama.cpp
-                pieces.append(b"")
-        self._pieces = pieces
+        """id -> bytes for decoding: llama.cpp's token_to_piece of every id; special (control/unknown) ids flagged."""
+        v = self._vocab
+        self._pieces: list[bytes] = v.pieces(True)
+        self._special = np.fromiter((v.is_special(i) for i in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
+        self._has_specials = bool(self._special.any())
 
     # -- construction -------------------------------------------------------
 
@@ -248,116 +193,32 @@ class Tokenizer:
         md = read_gguf_metadata(path, prefix="tokenizer.")
         if "tokenizer.ggml.model" not in md:
             raise ValueError(f"{os.fspath(path)}: GGUF file has no tokenizer (tokenizer.ggml.model missing)")
-        return cls(md)
+        return cls(md, _core().Vocab.load(os.fspath(path)))
+
+    @classmethod
+    def from_model(cls, model: Any) -> "Tokenizer":
+        """The tokenizer of a loaded ``_core.Model`` (the core builds it from the metadata it holds)."""
+        md = read_gguf_metadata(model.path, prefix="tokenizer.")
+        return cls(md, _core().Vocab.from_model(model))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
-        """Build from a GGUF key -> value mapping (``read_gguf_metadata`` output)."""
+        """Build from a GGUF key -> value mapping (``read_gguf_metadata`` output, or one written by hand)."""
         return cls(md)
-
-    @staticmethod
-    def _byte_level_decode(t: str) -> bytes:
-        out = bytearray()
-        for ch in t:
-            b = _BYTE_DECODER.get(ch)
-            if b is None:
-                out += ch.encode("utf-8", "surrogateescape")
-            else:
-                out.append(b)
-        return bytes(out)
-
-    def _build_bpe(self, md: Mapping[str, Any], family: Mapping[str, Any]):
-        from tokenizers import Regex
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
-
-        vocab = self._token_to_id
-        merges = []
-        for m in md_list(md.get("tokenizer.ggml.merges")):
-            m = m if isinstance(m, str) else md_str(m)
-            pos = m.find(" ", 1)
-            if pos < 0:
-                continue
-            a, b = m[:pos], m[pos + 1:]
-            # tokenizers rejects merges whose parts or result are not in the vocab
-            if a in vocab and b in vocab and (a + b) in vocab:
-                merges.append((a, b))
-        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=bool(family.get("ignore_merges")),
-                         fuse_unk=False, byte_fallback=False)
-        tok = HFTokenizer(bpe)
-        steps = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
-                 for r in family["regex"]]
-        if family.get("byte_encode", True):
-            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                                                  use_regex=False))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        return tok
-
-    def _build_spm(self, md: Mapping[str, Any]):
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, normalizers
-
-        tokens, vocab = self.tokens, self._token_to_id
-        scores = [float(s) for s in md_list(md.get("tokenizer.ggml.scores"))]
-        if len(scores) < len(tokens):
-            scores = scores + [0.0] * (len(tokens) - len(scores))
-        # SentencePiece BPE as merges: every way to split a piece into two pieces
-        # is a merge, ranked by the merged piece's score (higher merges first),
-        # which is the order llama.cpp's SPM tokenizer applies them in.  That is
-        # quadratic in a piece's length: pieces longer than SPM_MAX_PIECE_CHARS (real
-        # ones are a few dozen characters; a hostile file can hold one of millions)
-        # get no merges, so they never come out of encoding, and still decode.
-        ranked = []
-        for i, t in enumerate(tokens):
-            if vocab.get(t) != i or len(t) < 2 or len(t) > SPM_MAX_PIECE_CHARS:
-                continue
-            s = scores[i]
-            for k in range(1, len(t)):
-                a, b = t[:k], t[k:]
-                if a in vocab and b in vocab:
-                    ranked.append((-s, i, k, a, b))
-        ranked.sort()
-        merges = [(a, b) for _, _, _, a, b in ranked]
-        unk = tokens[self.unk_id] if self.unk_id is not None else None
-        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False,
-                         byte_fallback=True)
-        tok = HFTokenizer(bpe)
-        norm = [normalizers.Replace(" ", _SPM_SPACE)]
-        if self.add_space_prefix:
-            norm.insert(0, normalizers.Prepend(_SPM_SPACE))
-        tok.normalizer = normalizers.Sequence(norm)
-        return tok
-
-    def _hf_with_specials(self):
-        if self._hf_special is None:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            tok = HFTokenizer.from_str(self._hf_plain.to_str())
-            tok.add_special_tokens(self._hf_special_tokens)
-            self._hf_special = tok
-        return self._hf_special
 
     # -- encode / decode ------------------------------------------------------
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Token ids for ``text``.
+        """Token ids for ``text``, as llama.cpp's ``llama_tokenize`` gives them.
 
         ``add_special`` adds BOS/EOS as the model asks (``add_bos``/``add_eos``);
         ``parse_special`` lets control tokens written in the text (e.g.
         ``<|im_start|>``) become their ids.  User-defined tokens always match.
         """
-        ids: list[int] = []
-        if add_special and self.add_bos and self.bos_id is not None:
-            ids.append(self.bos_id)
-        if text:
-            hf = self._hf_with_specials() if parse_special else self._hf_plain
-            ids.extend(_hf_encode(hf, text).ids)
-        if add_special and self.add_eos and self.eos_id is not None:
-            ids.append(self.eos_id)
-        return ids
+        return self._vocab.encode(text, bool(add_special), bool(parse_special))
 
     def _strips_leading_space(self) -> bool:
-        return self.model == "llama" and self.add_space_prefix
+        return self.add_space_prefix
 
     def token_bytes(self, id: int, skip_special: bool = False) -> bytes:
         """The bytes token ``id`` stands for (control tokens render their text)."""
@@ -479,24 +340,38 @@ class Tokenizer:
         text = self.apply_chat_template(msgs, add_generation_prompt, chat_template=chat_template, **kwargs)
         bos = self.tokens[self.bos_id] if self.bos_id is not None else None
         add_special = not (bos is not None and text.startswith(bos))
-        hf = self._hf_with_specials()
-        if not text or hf is self._hf_plain:   # no special tokens in this vocabulary
+        if not text or not self._has_specials:   # no special tokens in this vocabulary
             return self.encode(text, add_special=add_special)
         found = self._content_spans(msgs, text, add_generation_prompt, chat_template, kwargs)
-        enc = _hf_encode(hf, text)
+        ids = self.encode(text, add_special=False, parse_special=True)
         if found is None or found[0] != text:
             # where the content is in the first rendering is unknown: keep it when no content holds a
             # special token's text, else tokenize the second rendering with the raw content put back
             contents = [m["content"] for m in msgs if isinstance(m.get("content"), str)]
-            marks = {self.tokens[t] for t, (a, b) in zip(enc.ids, enc.offsets)
-                     if self._special[t] and text[a:b] == self.tokens[t]}
+            marks = {self.tokens[t] for _, _, t in self._special_marks(text, ids)}
             if found is None or not any(mk in c for mk in marks for c in contents):
-                return self._wrap(enc.ids, add_special)
+                return self._wrap(ids, add_special)
             text, spans = found
-            enc = _hf_encode(hf, text)
+            ids = self.encode(text, add_special=False, parse_special=True)
         else:
             spans = found[1]
-        return self._wrap(self._ids_outside(text, spans, enc), add_special)
+        return self._wrap(self._ids_outside(text, spans, ids), add_special)
+
+    def _special_marks(self, text: str, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(start, end, id) in text of each special token of ``ids`` (text's parse_special encoding).
+
+        llama.cpp cuts every occurrence of a special token's text out of the text before it tokenizes
+        the rest, in order: the first occurrence past the previous special token is this one."""
+        out, pos = [], 0
+        for t in ids:
+            if self._special[t]:
+                s = self.tokens[t]
+                a = text.find(s, pos)
+                if a < 0:   # not written in the text (none is, today): no span to give
+                    continue
+                out.append((a, a + len(s), t))
+                pos = a + len(s)
+        return out
 
     def _wrap(self, ids: list[int], add_special: bool) -> list[int]:
         """BOS / EOS around ids, as encode(add_special=True) puts them."""
@@ -544,7 +419,7 @@ class Tokenizer:
         stripped = build(str.strip)
         return stripped if stripped[0] == text else raw
 
-    def _ids_outside(self, text: str, spans, enc) -> list[int]:
+    def _ids_outside(self, text: str, spans, ids) -> list[int]:
         """Ids for text where only the special tokens outside the content spans are special: the
         encoding as it is when none falls inside a span, else the text between the template's own
         special tokens encoded with the plain tokenizer."""
@@ -552,22 +427,21 @@ class Tokenizer:
             return any(a < e and s < b for s, e in spans)
 
         marks, injected = [], False
-        for t, (a, b) in zip(enc.ids, enc.offsets):
-            if self._special[t] and text[a:b] == self.tokens[t]:
-                if in_content(a, b):
-                    injected = True
-                else:
-                    marks.append((a, b, t))
+        for a, b, t in self._special_marks(text, ids):
+            if in_content(a, b):
+                injected = True
+            else:
+                marks.append((a, b, t))
         if not injected:
-            return list(enc.ids)
+            return list(ids)
         out, pos = [], 0
         for a, b, t in marks:
             if a > pos:
-                out.extend(_hf_encode(self._hf_plain, text[pos:a]).ids)
+                out.extend(self.encode(text[pos:a], add_special=False))
             out.append(t)
             pos = b
         if pos < len(text):
-            out.extend(_hf_encode(self._hf_plain, text[pos:]).ids)
+            out.extend(self.encode(text[pos:], add_special=False))
         return out
 
     def __repr__(self) -> str:
