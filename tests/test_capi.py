@@ -379,7 +379,8 @@ class Params(ctypes.Structure):
                 ("seed", ctypes.c_uint64), ("qk_contrast", ctypes.c_int32), ("qk_spread", ctypes.c_int32),
                 ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32),
                 ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32),
-                ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32)]
+                ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32), ("drafter", ctypes.c_void_p),
+                ("drafter_layers", ctypes.c_int32), ("drafter_pool", ctypes.c_int32), ("drafter_queries", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -443,7 +444,8 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
             return None if s else err.value.decode()
         print("HUGE", refused(max_ctx={HUGE}, pool_tokens=512))
         print("HUGE_FULL", refused(max_ctx={HUGE}, pool_tokens=0))
-        print("POLICY", refused(policy=b"drafter"))
+        print("POLICY", refused(policy=b"belady"))
+        print("DRAFTERLESS", refused(policy=b"drafter", pool_tokens=512))
         print("SIZE", refused(struct_size=0))
         print("QKC", refused(policy=b"qk", pool_tokens=512, qk_contrast=-1))
         print("QKS", refused(policy=b"qk", pool_tokens=512, qk_spread=300))
@@ -463,6 +465,7 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert f"MAX {_core.MAX_CONTEXT}" in out
     assert re.search(rf"^HUGE .*{GUARD_MSG}", out, re.M) and re.search(rf"^HUGE_FULL .*{GUARD_MSG}", out, re.M), out
     assert re.search(r'^POLICY .*policy must be "lru" or "qk"', out, re.M), out
+    assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry")):
@@ -470,11 +473,22 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
 
 
-def test_c_api_and_python_session_are_one_core(tiny):
-    """The C API and kvflash.Session drive the same core session: for exact mode, exact prefill and qk
-    with prefix reuse (kvflash_continue / Session.continue_to) and a rewind, the tokens and final logits
-    are bit-equal, and (where the round lengths do not differ) so are page-outs and rescores."""
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory):
+    # another llama of the same vocabulary: the drafter is fed the target's own ids (no bridge)
+    path = tmp_path_factory.mktemp("capi-drafter") / "drafter.gguf"
+    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                     weight_type="f32", seed=8, weight_scale=2.0)
+    return str(path)
+
+
+def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
+    """The C API and kvflash.Session drive the same core session: for every built-in policy (lru, qk and its
+    variants, the drafter), exact mode and exact prefill, with prefix reuse (kvflash_continue /
+    Session.continue_to) and a rewind, the tokens and final logits are bit-equal, and (where the round
+    lengths do not differ) so are page-outs and rescores."""
     proc = run_python(f"""
+        DRAFTER = {tiny_drafter!r}
         import ctypes
         import numpy as np
         import kvflash
@@ -489,10 +503,14 @@ def test_c_api_and_python_session_are_one_core(tiny):
         more = [int(x) for x in rng.integers(3, 250, 20)]   # fewer than qk's 40 captured queries: the cut re-reads
         V = kvflash.Model({tiny!r}, 1).hparams["n_vocab"]
 
+        dm = lib.kvflash_model_load(DRAFTER.encode(), 1, err, 512)   # another llama, the same vocabulary
+        assert dm, err.value
+
         def c_run(mode, steps, policy="qk", aggregate="peak"):
             q = lib.kvflash_default_params()
             q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, policy.encode(), 16
             q.qk_aggregate = aggregate.encode()
+            q.drafter = dm
             q.exact = int(mode == "exact")
             q.exact_prefill = int(mode == "exact_prefill")
             s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
@@ -525,6 +543,8 @@ def test_c_api_and_python_session_are_one_core(tiny):
         def py_run(mode, steps, policy="qk", aggregate="peak"):
             if aggregate != "peak":
                 policy = kvflash.scoring.QKPolicy(aggregate=aggregate)
+            if policy == "drafter":
+                policy = kvflash.scoring.DrafterPolicy(DRAFTER, threads=1)
             s = kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy=policy, tau=16, threads=1, verbose=False,
                                 seed=0, exact=mode == "exact", exact_prefill=mode == "exact_prefill")
             out = []
@@ -544,7 +564,7 @@ def test_c_api_and_python_session_are_one_core(tiny):
 
         runs = [("pooled", "qk", "peak"), ("exact_prefill", "qk", "peak"), ("exact", "qk", "peak"),
                 ("lru", "lru", "peak"), ("qk-bound", "qk-bound", "peak"), ("qk-mean", "qk-mean", "peak"),
-                ("qk-chunk", "qk", "chunk"), ("qk-token", "qk", "token")]
+                ("qk-chunk", "qk", "chunk"), ("qk-token", "qk", "token"), ("drafter", "drafter", "peak")]
         for mode, policy, agg in runs:
             c, p = c_run(mode, 24, policy, agg), py_run(mode, 24, policy, agg)
             assert c[0] == p[0], (mode, c[0], p[0])
@@ -559,7 +579,7 @@ def test_c_api_and_python_session_are_one_core(tiny):
         lib.kvflash_model_free(m)
     """)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("pooled", "exact_prefill", "exact", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token"):
+    for mode in ("pooled", "exact_prefill", "exact", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token", "drafter"):
         assert f"{mode} ok 72" in proc.stdout, proc.stdout
 
 
@@ -673,3 +693,61 @@ def test_snapshots_cross_the_languages(tiny, tmp_path):
     assert re.search(r"^CAP -1 .*4096", out, re.M), out
     assert re.search(r"^CUSTOM None .*policy 'mine', which a C session cannot run", out, re.M), out
     assert re.search(r"^LOADBAD None .*snapshot", out, re.M), out
+
+
+@pytest.mark.model
+def test_c_drafter_bridges_like_python_on_the_real_pair():
+    """The C API's drafter is the core's drafter scorer, as Python's DrafterPolicy is: Gemma-3 270M as the
+    target (262K SentencePiece vocabulary), SmolLM2-135M as the drafter (49K BPE), so the scores go through
+    the byte-span bridge (the core tokenizer's pieces in C, the Python Tokenizer's in Python); a passkey
+    prompt past the pool gives the same residents, rescores and greedy tokens from both."""
+    gemma, smol = str(kvflash.resolve_model("gemma3-270m")), str(kvflash.resolve_model("smollm2-135m"))
+    proc = run_python(f"""
+        import ctypes
+        import numpy as np
+        import kvflash
+        from kvflash import capi
+        from test_capi import Params, Stats, declare
+        lib = declare(ctypes.CDLL(str(capi.library_path())))
+        lib.kvflash_chunk_flags.restype, lib.kvflash_chunk_flags.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+        err = ctypes.create_string_buffer(1024)
+        filler = ("The weather was calm and the river ran slowly past the old mill. "
+                  "Farmers carried their grain along the road to the market in the valley. ")
+        text = (filler * 3 + "The secret passkey is 48213. Remember it. " + filler * 40 +
+                "\\nQuestion: What is the secret passkey given in the text above?\\nAnswer: The secret passkey is")
+        s = kvflash.Session({gemma!r}, max_ctx=4096, kvflash=512, policy="drafter", drafter={smol!r}, threads=2,
+                            verbose=False)
+        ids = s.tokenize(text)
+        s.prefill(ids)
+        n0 = s.n_past
+        list(s.generate(max_tokens=6, ignore_eos=True))
+        py_tokens, py_block = s.tokens[n0:], s.pager.chunk_table()["block"] >= 0
+        assert s.policy.bridged
+        m = lib.kvflash_model_load({gemma!r}.encode(), 2, err, 1024)
+        d = lib.kvflash_model_load({smol!r}.encode(), 2, err, 1024)
+        assert m and d, err.value
+        q = lib.kvflash_default_params()
+        q.max_ctx, q.pool_tokens, q.policy, q.drafter = 4096, 512, b"drafter", d
+        c = lib.kvflash_session_new(m, ctypes.byref(q), err, 1024)
+        assert c, err.value
+        arr = (ctypes.c_int32 * len(ids))(*ids)
+        assert lib.kvflash_eval(c, arr, len(ids), None) == 0, lib.kvflash_last_error(c)
+        out, tok = [], ctypes.c_int32()
+        assert lib.kvflash_sample(c, None, None, ctypes.byref(tok)) == 0
+        for _ in range(6):
+            out.append(tok.value)
+            nxt = ctypes.c_int32()
+            assert lib.kvflash_decode(c, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(c)
+            tok = nxt
+        n = lib.kvflash_n_chunks(c)
+        flags = (ctypes.c_uint8 * n)()
+        assert lib.kvflash_chunk_flags(c, flags, n) == 0
+        c_block = np.array([bool(f & 1) for f in flags])
+        st = lib.kvflash_get_stats(c)
+        assert out == py_tokens, (out, py_tokens)
+        assert np.array_equal(c_block, py_block[:n]), "residents differ"
+        assert st.rescores == s.stats["rescores"] >= 1, (st.rescores, s.stats["rescores"])
+        print("bridged ok", out)
+    """, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bridged ok" in proc.stdout

@@ -5,8 +5,91 @@
 
 #include "kvflash/scoring.h"
 #include "kvflash/session.h"
+#include "kvflash/tokenizer.h"
 
 namespace kvflash {
+
+std::string utf8_replace_invalid(const std::string &b) {
+    static const char kReplacement[] = "\xEF\xBF\xBD";
+    const auto *p = reinterpret_cast<const unsigned char *>(b.data());
+    const size_t n = b.size();
+    std::string out;
+    out.reserve(n);
+    size_t i = 0;
+    while (i < n) {
+        const unsigned c = p[i];
+        if (c < 0x80) {
+            out += char(c);
+            ++i;
+            continue;
+        }
+        // the sequence's length and its second byte's range (Unicode Table 3-7); a maximal ill-formed
+        // subpart is the longest prefix of a well-formed sequence, or one byte
+        size_t len = 0;
+        unsigned lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) len = 2;
+        else if (c == 0xE0) len = 3, lo = 0xA0;
+        else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) len = 3;
+        else if (c == 0xED) len = 3, hi = 0x9F;
+        else if (c == 0xF0) len = 4, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3) len = 4;
+        else if (c == 0xF4) len = 4, hi = 0x8F;
+        size_t k = 1;
+        if (len) {
+            for (; k < len && i + k < n; ++k) {
+                const unsigned d = p[i + k];
+                const unsigned l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
+                if (d < l || d > h) break;
+            }
+        }
+        if (len && k == len) {
+            out.append(b, i, len);
+        } else {
+            out += kReplacement;
+        }
+        i += len && k == len ? len : k;
+    }
+    return out;
+}
+
+namespace {
+
+class TokenizerVocab final : public DrafterVocab {
+public:
+    explicit TokenizerVocab(std::shared_ptr<const Tokenizer> t) : t_(std::move(t)) {
+        if (!t_) throw std::invalid_argument("drafter: a tokenizer is required");
+    }
+    std::string bytes_of(const int32_t *ids, size_t n, std::vector<int64_t> &ends) const override {
+        std::string out;
+        ends.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            if (!t_->is_special(ids[i])) out += t_->token_to_piece(ids[i], true);   // special ones skipped
+            ends[i] = int64_t(out.size());
+        }
+        return out;
+    }
+    std::vector<int32_t> encode(const std::string &text) const override {
+        return t_->encode(utf8_replace_invalid(text), true, false);
+    }
+    bool same_as(const DrafterVocab &other) const override {
+        const auto *o = dynamic_cast<const TokenizerVocab *>(&other);
+        if (!o) return false;
+        if (o->t_ == t_) return true;
+        if (o->t_->n_vocab() != t_->n_vocab()) return false;
+        for (int32_t i = 0; i < t_->n_vocab(); ++i)
+            if (o->t_->token_text(i) != t_->token_text(i)) return false;
+        return true;
+    }
+
+private:
+    std::shared_ptr<const Tokenizer> t_;
+};
+
+}  // namespace
+
+std::shared_ptr<const DrafterVocab> tokenizer_vocab(std::shared_ptr<const Tokenizer> tok) {
+    return std::make_shared<TokenizerVocab>(std::move(tok));
+}
 
 void DrafterSettings::resolve() {
     if (n_queries < 1 || n_queries > 4096)

@@ -50,6 +50,15 @@ public:
     virtual bool same_as(const DrafterVocab &other) const = 0;
 };
 
+class Tokenizer;
+
+// The core tokenizer as the bridge's vocabulary (what the C API's drafter uses; Python's DrafterPolicy
+// hands its kvflash.Tokenizer objects, which are the same tokenizer underneath).  encode reads the bytes
+// as Python's bytes.decode("utf-8", "replace") does: each maximal ill-formed subpart becomes U+FFFD.
+std::shared_ptr<const DrafterVocab> tokenizer_vocab(std::shared_ptr<const Tokenizer> tok);
+// bytes with every ill-formed UTF-8 subpart replaced by U+FFFD (the Unicode standard's practice, Python's).
+std::string utf8_replace_invalid(const std::string &bytes);
+
 class DrafterScorer {
 public:
     // target_max_ctx: the target session's context (the drafter's is as long, four times with a bridge);

@@ -75,7 +75,8 @@ struct kvflash_params {
     /* -- since API version 2 -- */
     const char *policy;         /* "lru" (default: recency) or "qk" (the model's own queries score chunks);
                                    since API version 9 also "qk-bound" / "qk-mean" (the last query against
-                                   the sealed chunks' key summaries; the qk_* fields but qk_smooth_width unused) */
+                                   the sealed chunks' key summaries; the qk_* fields but qk_smooth_width unused)
+                                   and "drafter" (a second model scores them: params.drafter) */
     int32_t tau;                /* qk: rescore every max(tau, n_past / 45) decoded tokens (64) */
     int32_t qk_queries;         /* qk: how many of the latest queries score a rescore (8) */
     int32_t reeval_tokens;      /* qk: prompt tokens re-read after a prompt rescore moved chunks (64) */
@@ -101,6 +102,13 @@ struct kvflash_params {
                                    smoothed over qk_smooth_width, a chunk's mean); the latter two ignore contrast,
                                    spread and carry */
     int32_t qk_smooth_width;    /* "token": the moving average's width (5) */
+    kvflash_model *drafter;     /* policy "drafter": the drafter model (a handle of its own, or the target's;
+                                   kept alive by the session), whose attention over the history scores the
+                                   chunks; a vocabulary unlike the target's goes through the byte-span bridge */
+    int32_t drafter_layers;     /* the drafter's first N layers evaluate (0: a quarter, at least 8, through its
+                                   first full-attention layer) */
+    int32_t drafter_pool;       /* the drafter's own pool in tokens (1024; 0: a full cache) */
+    int32_t drafter_queries;    /* the drafter's latest queries that score (16) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise
@@ -209,7 +217,8 @@ int kvflash_settle(kvflash_session *session);
  * settings stay); anything else (a truncated, corrupted or crafted file, another model, a file over
  * max_bytes when max_bytes > 0) is KVFLASH_EINVAL with the reason, and the session is as it was.
  * kvflash_session_load builds a new session over model with the file's settings (NULL and err on refusal;
- * a snapshot of a policy written in Python, such as the drafter, is refused: load it in Python). */
+ * a snapshot of a policy written in Python is refused: load it in Python; one of the drafter policy needs
+ * its drafter: kvflash_session_new with params.policy "drafter" and params.drafter, then kvflash_restore). */
 int kvflash_save(kvflash_session *session, const char *path);
 int kvflash_restore(kvflash_session *session, const char *path, uint64_t max_bytes);
 kvflash_session *kvflash_session_load(kvflash_model *model, const char *path, uint64_t max_bytes, char *err,

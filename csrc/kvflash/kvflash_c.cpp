@@ -175,6 +175,10 @@ kvflash_params kvflash_default_params(void) {
     p.qk_carry = 16;
     p.qk_aggregate = "peak";
     p.qk_smooth_width = 5;
+    p.drafter = nullptr;
+    p.drafter_layers = 0;
+    p.drafter_pool = 1024;
+    p.drafter_queries = 16;
     p.exact = 0;
     p.exact_prefill = 0;
     p.exact_draft = -1;
@@ -254,9 +258,9 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
     try {
         const kvflash_params p = read_params(params);  // max_ctx: the Runtime checks it (limits.h)
         const std::string policy = p.policy ? p.policy : "lru";
-        if (policy != "lru" && policy != "qk" && policy != "qk-bound" && policy != "qk-mean")
+        if (policy != "lru" && policy != "qk" && policy != "qk-bound" && policy != "qk-mean" && policy != "drafter")
             throw std::invalid_argument("params.policy must be \"lru\" or \"qk\" (or its variants \"qk-bound\", "
-                                        "\"qk-mean\"), got \"" + policy + "\"");
+                                        "\"qk-mean\") or \"drafter\", got \"" + policy + "\"");
         if (p.tau < 1) throw std::invalid_argument("params.tau must be >= 1, got " + std::to_string(p.tau));
         if (p.qk_queries < 1 || p.qk_queries > 256)
             throw std::invalid_argument("params.qk_queries must be in [1, 256], got " + std::to_string(p.qk_queries));
@@ -285,7 +289,18 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +
                                         std::to_string(p.max_host_bytes));
         c.max_host_bytes = p.max_host_bytes;
-        if (policy != "lru") {
+        if (policy == "drafter") {
+            if (!p.drafter) throw std::invalid_argument("params.policy \"drafter\" needs params.drafter (a model)");
+            kvflash::DrafterSettings ds;
+            ds.n_queries = p.drafter_queries;
+            ds.layers = p.drafter_layers;
+            ds.pool = p.drafter_pool;
+            sc.scorer = kvflash::Scorer::Drafter;
+            sc.drafter = std::make_shared<kvflash::DrafterScorer>(
+                p.drafter->m, ds, c.max_ctx, model->m->n_threads(), kvflash::tokenizer_vocab(model->m->tokenizer()),
+                kvflash::tokenizer_vocab(p.drafter->m->tokenizer()));
+            c.capture_queries = std::max(c.capture_queries, ds.n_queries);   // as Python's: a snapshot's header holds it
+        } else if (policy != "lru") {
             const std::string agg = p.qk_aggregate ? p.qk_aggregate : "peak";
             if (agg != "peak" && agg != "chunk" && agg != "token")
                 throw std::invalid_argument("params.qk_aggregate must be \"peak\", \"chunk\" or \"token\", got \"" +
@@ -413,9 +428,14 @@ kvflash_session *kvflash_session_load(kvflash_model *model, const char *path, ui
         if (fp != peek.header.fingerprint || size != peek.header.model_bytes)
             throw kvflash::SnapshotError("snapshot does not fit this model: it was taken with another model file");
         const kvflash::SessionApp app = kvflash::parse_session_app(peek.app, peek.header, where);
+        if (app.drafter)
+            throw std::invalid_argument(where + " was taken with the drafter policy: make the session with "
+                                        "kvflash_session_new (params.policy \"drafter\", params.drafter) and "
+                                        "kvflash_restore the file into it");
         if (!app.builtin)
             throw std::invalid_argument(where + " was taken with the policy '" + app.policy +
-                                        "', which a C session cannot run (its policies: lru, qk, qk-bound, qk-mean)");
+                                        "', which a C session cannot run (its policies: lru, qk, qk-bound, qk-mean, "
+                                        "drafter)");
         auto s = new_session(model, app.config);
         s->s->restore(p, max_bytes, where);   // the same file, read whole and checked again
         return s.release();
