@@ -38,11 +38,15 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    return _tiny_llama(tmp_path_factory, "tiny", seed=3)
+
+
+def _tiny_llama(tmp_path_factory, name: str, seed: int) -> str:
     # weight_scale 2: greedy tokens that depend on the context (write_small_llama's scale-1 llama repeats
     # one or two tokens whatever its cache holds, so comparing its tokens would prove little)
-    path = tmp_path_factory.mktemp("capi") / "tiny.gguf"
+    path = tmp_path_factory.mktemp("capi") / f"{name}.gguf"
     write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
-                     weight_type="f32", seed=3, weight_scale=2.0)
+                     weight_type="f32", seed=seed, weight_scale=2.0)
     return str(path)
 
 
@@ -476,10 +480,7 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
 @pytest.fixture(scope="module")
 def tiny_drafter(tmp_path_factory):
     # another llama of the same vocabulary: the drafter is fed the target's own ids (no bridge)
-    path = tmp_path_factory.mktemp("capi-drafter") / "drafter.gguf"
-    write_tiny_model(str(path), "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
-                     weight_type="f32", seed=8, weight_scale=2.0)
-    return str(path)
+    return _tiny_llama(tmp_path_factory, "drafter", seed=8)
 
 
 def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):

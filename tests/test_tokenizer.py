@@ -32,39 +32,11 @@ def _load(name: str, filename: str):
     return mod
 
 
-registry = _load("registry", "_registry.py")
 tk = _load("tokenizer", "tokenizer.py")
+from vocab_cases import VOCAB_DIR, needs_vocab, read_cases  # noqa: E402
 
 VOCABS = ["llama-spm", "llama-bpe", "qwen2", "gpt-2"]
-SEP = "\n__ggml_vocab_test__\n"
-
-try:
-    VOCAB_DIR: Path | None = Path(registry.vocab_dir())
-    VOCAB_DIR_ERROR = None
-except Exception as e:  # no registry access and nothing cached
-    VOCAB_DIR, VOCAB_DIR_ERROR = None, f"{type(e).__name__}: {e}"
-
-needs_vocab = pytest.mark.skipif(VOCAB_DIR is None, reason=f"vocab dir unavailable ({VOCAB_DIR_ERROR})")
-
-
-def _read_cases(name: str) -> list[tuple[str, list[int]]]:
-    """(input text, expected ids) pairs, parsed as llama.cpp's read_tests does."""
-    base = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-    raw = (base.parent / (base.name + ".inp")).read_bytes().decode("utf-8")
-    inputs = []
-    pos = 0
-    while pos < len(raw):
-        nxt = raw.find(SEP, pos)
-        if nxt < 0:
-            inputs.append(raw[pos:])
-            break
-        inputs.append(raw[pos:nxt])
-        pos = nxt + len(SEP)
-    lines = (base.parent / (base.name + ".out")).read_bytes().decode("utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    assert len(inputs) == len(lines), f"{name}: {len(inputs)} inputs but {len(lines)} outputs"
-    return [(s, [int(x) for x in o.split()]) for s, o in zip(inputs, lines)]
+_read_cases = read_cases
 
 
 def _case_params():

@@ -13,39 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from kvflash import _core, _registry
+from kvflash import _core
 from kvflash.tokenizer import Tokenizer
+from vocab_cases import VOCAB_DIR, needs_vocab, read_cases
 
-SEP = "\n__ggml_vocab_test__\n"
 CORE_VOCABS = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "qwen35", "gemma-4", "phi-3", "command-r",
                "deepseek-coder", "deepseek-llm", "falcon", "mpt", "refact", "starcoder"]
 
-try:
-    VOCAB_DIR: Path | None = Path(_registry.vocab_dir())
-    VOCAB_DIR_ERROR = None
-except Exception as e:  # no registry access and nothing cached
-    VOCAB_DIR, VOCAB_DIR_ERROR = None, f"{type(e).__name__}: {e}"
-
-needs_vocab = pytest.mark.skipif(VOCAB_DIR is None, reason=f"vocab dir unavailable ({VOCAB_DIR_ERROR})")
-
 
 def cases(name: str) -> list[tuple[str, list[int]]]:
-    """(text, ids) pairs, split as llama.cpp's read_tests does (and tests/test_tokenizer.py)."""
-    base = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-    raw = Path(str(base) + ".inp").read_bytes().decode("utf-8")
-    inputs, pos = [], 0
-    while pos < len(raw):
-        nxt = raw.find(SEP, pos)
-        if nxt < 0:
-            inputs.append(raw[pos:])
-            break
-        inputs.append(raw[pos:nxt])
-        pos = nxt + len(SEP)
-    lines = Path(str(base) + ".out").read_bytes().decode("utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    assert len(inputs) == len(lines) >= 40
-    return [(s, [int(x) for x in o.split()]) for s, o in zip(inputs, lines)]
+    cs = read_cases(name)
+    assert len(cs) >= 40
+    return cs
 
 
 _VOCABS: dict[str, object] = {}
