@@ -81,6 +81,21 @@ def test_one_copy_of_the_core_and_of_ggml_per_process():
     assert paths == {str(capi.library_path())}, paths
 
 
+def test_llama_cpp_s_tokenizer_stays_inside_the_library():
+    # llama.cpp's vocabulary code is compiled into libkvflash with hidden symbols: none of its names is
+    # exported (a process may load libllama beside kvflash), the C API's tokenizer is.
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    defined = subprocess.run([nm, "-D", "--defined-only", str(capi.library_path())], capture_output=True, text=True,
+                             check=True).stdout
+    names = [line.split()[-1] for line in defined.splitlines() if line.strip()]
+    leaked = [n for n in names if ("llama" in n.lower() or "unicode_" in n) and n != "ggml_cpu_has_llamafile"
+              and "kvflash" not in n]
+    assert not leaked, leaked[:10]
+    assert {"kvflash_tokenize", "kvflash_token_to_piece", "kvflash_detokenize", "kvflash_vocab_load"} <= set(names)
+
+
 def _cmake() -> str:
     here = Path(sys.executable).parent / "cmake"
     exe = str(here) if here.exists() else shutil.which("cmake")

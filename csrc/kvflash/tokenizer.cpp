@@ -11,9 +11,13 @@
 
 #include "ggml.h"
 #include "gguf.h"
+// llama.cpp's classes stay inside libkvflash (kvflash-llama-vocab is built with hidden symbols): the
+// inline members this file instantiates too, so a process may load libllama beside it.
+#pragma GCC visibility push(hidden)
 #include "llama-arch.h"
 #include "llama-model-loader.h"
 #include "llama-vocab.h"
+#pragma GCC visibility pop
 
 // llama-model-loader.cpp names these two (src/llama.cpp, which would bring the whole of libllama) to
 // find a model's split files.  The tokenizer's loader is built over metadata alone and never looks
