@@ -50,7 +50,7 @@ const char *const kSeeds[] = {
     R"("state":{"since_rescore":0,"rescores":2,"last_scores":[0.5]}})",
     R"({"kvflash_session":2,"config":{"max_ctx":2048,"kvflash":512,"tau":64,"kv_type":"q8_0","chunk_tokens":64,)"
     R"("sink_chunks":1,"tail_window_chunks":4,"ubatch":512,"reeval_tokens":64,"seed":null,"allow_long_ctx":false,)"
-    R"("exact":false,"exact_draft":null,"exact_prefill":false},"policy":{"name":"keep\u00e9\"s","custom":{"k":[1,)"
+    R"("exact":false,"exact_draft":null,"exact_prefill":false},"policy":{"name":"keep\u00e9\"s","settings":{"k":[1,)"
     R"({"x":null}]}},"state":{"since_rescore":0,"rescores":0,"last_scores":null}})",
 };
 
