@@ -306,3 +306,12 @@ def test_drafter_spread_reaches_across_a_chunk_edge(tiny):
     np.testing.assert_allclose(spread_max(neg, 1), [-1, -1, -1])
 
 
+def test_a_cut_of_the_history_reaches_the_drafters_cache(tiny):
+    # Session.truncate cuts the drafter's own cache with the session's (the policy's rewind is the core's
+    # rewind hook); its next feed then reads only what is new past the cut.
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="drafter", drafter=tiny, tau=16, threads=1,
+                        verbose=False)
+    s.prefill(_tokens(64 * 12, 4).tolist())
+    assert len(s.policy._fed) == 64 * 12
+    s.truncate(300)
+    assert len(s.policy._fed) <= 300 and s.policy._fed == s.tokens[: len(s.policy._fed)]

@@ -9,7 +9,6 @@ the view's scorer handles.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Callable, Optional
 
 import numpy as np

@@ -189,13 +189,13 @@ class Session:
                      seed_given=self.seed is not None)
         # how the core names the policy (a restore compares names); its settings are taken at save()
         rt.set_policy_spec("" if self._core_named() else json.dumps({"name": self._policy.name, "custom": True}))
+        # a policy with a history of its own (the drafter's cache) hears of cuts
+        rt.set_rewind_hook(self._bound.rewind)
 
     def _core_named(self) -> bool:
         """The core writes this policy's spec itself: lru, or a qk policy it scores natively."""
         req = self._bound.requirements
         return (not req.scores and self._policy.name == "lru") or req.native is not None
-        # a policy with a history of its own (the drafter's cache) hears of cuts
-        rt.set_rewind_hook(self._bound.rewind)
 
     def chunk_view(self) -> ChunkView:
         """What a policy sees now: the chunk table, the token history (read-only) and the scorer handles."""
