@@ -3,11 +3,14 @@
 #include "kvflash/one_row_cpu.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
 
 namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
-#define KVFLASH_ARCHS(X) X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchGemma3)
+#define KVFLASH_ARCHS(X) X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
@@ -77,6 +80,100 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
 ggml_tensor *Forward::mm(ggml_tensor *w, ggml_tensor *x) const {
     if (!one_row || x->ne[1] == 1) return ggml_mul_mat(ctx, w, x);
     return one_row_products(ctx, w, x, model->plain(w));
+}
+
+ggml_tensor *Forward::mm_id(ggml_tensor *w, ggml_tensor *x, ggml_tensor *ids) const {
+    if (!one_row || x->ne[2] == 1) return ggml_mul_mat_id(ctx, w, x, ids);
+    // one routed product per token (a decode step's very call), joined pairwise along the tokens
+    std::vector<ggml_tensor *> parts;
+    for (int64_t j = 0; j < x->ne[2]; ++j) {
+        ggml_tensor *xj = ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], size_t(j) * x->nb[2]);
+        ggml_tensor *ij = ggml_view_2d(ctx, ids, ids->ne[0], 1, ids->nb[1], size_t(j) * ids->nb[1]);
+        parts.push_back(ggml_mul_mat_id(ctx, w, xj, ij));
+    }
+    while (parts.size() > 1) {
+        std::vector<ggml_tensor *> next;
+        for (size_t i = 0; i + 1 < parts.size(); i += 2) next.push_back(ggml_concat(ctx, parts[i], parts[i + 1], 2));
+        if (parts.size() % 2) next.push_back(parts.back());
+        parts.swap(next);
+    }
+    return parts[0];
+}
+
+ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
+    const LayerWeights &L = weights(il);
+    if (!L.ffn_gate_inp) return mm(L.ffn_down, ggml_swiglu_split(ctx, mm(L.ffn_gate, x), mm(L.ffn_up, x)));
+    // The routed mixture, as llama.cpp's build_moe_ffn computes it for these options.
+    const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
+    ggml_tensor *logits = mm(L.ffn_gate_inp, x);  // [X, n]
+    ggml_tensor *probs = hp->expert_gating == Hparams::Gating::Sigmoid ? ggml_sigmoid(ctx, logits)
+                                                                       : ggml_soft_max(ctx, logits);
+    ggml_tensor *picked = ggml_argsort_top_k(ctx, probs, int(k));  // [k, n] i32
+    ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, X, n), picked);  // [1, k, n]
+    if (hp->expert_weights_norm) {
+        ggml_tensor *w2 = ggml_reshape_2d(ctx, w, k, n);
+        // the sum kept off zero at f16's smallest normal, as llama.cpp does
+        ggml_tensor *sum = ggml_clamp(ctx, ggml_sum_rows(ctx, w2), 6.103515625e-5f, INFINITY);
+        w = ggml_reshape_3d(ctx, ggml_div(ctx, w2, sum), 1, k, n);
+    }
+    if (hp->expert_weights_scale != 0.f && hp->expert_weights_scale != 1.f) w = ggml_scale(ctx, w, hp->expert_weights_scale);
+    ggml_tensor *xr = ggml_reshape_3d(ctx, x, E, 1, n);
+    ggml_tensor *gate, *up;
+    if (L.ffn_gate_up_exps) {
+        ggml_tensor *gu = mm_id(L.ffn_gate_up_exps, xr, picked);  // [2F, k, n]: gate, then up
+        const int64_t F = gu->ne[0] / 2;
+        gate = ggml_view_3d(ctx, gu, F, gu->ne[1], gu->ne[2], gu->nb[1], gu->nb[2], 0);
+        up = ggml_view_3d(ctx, gu, F, gu->ne[1], gu->ne[2], gu->nb[1], gu->nb[2], size_t(F) * gu->nb[0]);
+    } else {
+        up = mm_id(L.ffn_up_exps, xr, picked);
+        gate = mm_id(L.ffn_gate_exps, xr, picked);
+    }
+    ggml_tensor *experts = mm_id(L.ffn_down_exps, ggml_swiglu_split(ctx, gate, up), picked);  // [E, k, n]
+    experts = ggml_mul(ctx, experts, w);
+    // the experts summed in selection order
+    ggml_tensor *out = ggml_view_2d(ctx, experts, E, n, experts->nb[2], 0);
+    for (int64_t i = 1; i < k; ++i)
+        out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, E, n, experts->nb[2], size_t(i) * experts->nb[1]));
+    if (k == 1) out = ggml_cont(ctx, out);
+    if (L.ffn_up_shexp) {
+        ggml_tensor *sh = mm(L.ffn_down_shexp, ggml_swiglu_split(ctx, mm(L.ffn_gate_shexp, x), mm(L.ffn_up_shexp, x)));
+        ggml_tensor *g = ggml_sigmoid(ctx, mm(L.ffn_gate_inp_shexp, x));  // [1, n]
+        out = ggml_add(ctx, out, ggml_mul(ctx, sh, g));
+    }
+    return out;
+}
+
+void refuse_experts(const GGUFKeys &kv, const Hparams &hp) {
+    if (hp.n_expert > 0)
+        throw std::invalid_argument(kv.file + ": a " + kv.arch + " file with experts (expert_count " +
+                                    std::to_string(hp.n_expert) + ") is not a model kvflash knows");
+}
+
+int32_t expert_width(const GGUFKeys &kv, int64_t fallback) {
+    const int64_t f = kv.a("expert_feed_forward_length", fallback, false);
+    if (f <= 0 || f > (int64_t(1) << 30))
+        throw std::invalid_argument(kv.file + ": the experts' width (expert_feed_forward_length " + std::to_string(f) +
+                                    ") is out of range");
+    return int32_t(f);
+}
+
+void load_moe(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
+    auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
+    const int64_t E = hp.n_embd, X = hp.n_expert, F = hp.n_ff_exp;
+    L.ffn_gate_inp = t.get(w("ffn_gate_inp"), {E, X});
+    L.ffn_gate_up_exps = t.get(w("ffn_gate_up_exps"), {E, 2 * F, X}, false);
+    if (!L.ffn_gate_up_exps) {
+        L.ffn_gate_exps = t.get(w("ffn_gate_exps"), {E, F, X});
+        L.ffn_up_exps = t.get(w("ffn_up_exps"), {E, F, X});
+    }
+    L.ffn_down_exps = t.get(w("ffn_down_exps"), {F, E, X});
+    if (hp.n_ff_shexp > 0) {
+        const int64_t S = hp.n_ff_shexp;
+        L.ffn_gate_inp_shexp = t.get(w("ffn_gate_inp_shexp"), {E});
+        L.ffn_gate_shexp = t.get(w("ffn_gate_shexp"), {E, S});
+        L.ffn_up_shexp = t.get(w("ffn_up_shexp"), {E, S});
+        L.ffn_down_shexp = t.get(w("ffn_down_shexp"), {S, E});
+    }
 }
 
 ggml_tensor *Forward::head(ggml_tensor *x, bool all_logits) const {

@@ -90,6 +90,13 @@ struct Forward {
     // (skipped when 1), K/V stored at the slots, attention with softmax scale kq_scale over the
     // layer's visible rows.  Returns [D*H, n].
     ggml_tensor *attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale, float kq_scale);
+    // The feed-forward block of layer il on x [n_embd, n] (normed): SwiGLU, or the routed mixture
+    // when the model has experts (moe), plus the shared expert where the layer has one.
+    ggml_tensor *ffn(int32_t il, ggml_tensor *x);
+    // Experts w [K, M, n_expert] times x [K, rows, n] for the experts ids [k, n] (i32) picked per token
+    // -> [M, k, n] (rows: 1, broadcast to the k experts, or k): ggml_mul_mat_id, or with one_row one
+    // routed product per token, each as a one-token graph computes it.
+    ggml_tensor *mm_id(ggml_tensor *w, ggml_tensor *x, ggml_tensor *ids) const;
     // x: [n_embd, n] -> logits [n_vocab, n or 1]: output norm, output matrix, softcap when set.
     ggml_tensor *head(ggml_tensor *x, bool all_logits) const;
 };
@@ -105,6 +112,15 @@ struct ArchOps {
     // Layer il over x [n_embd, n]; returns the residual stream after it.
     ggml_tensor *(*layer)(Forward &f, int32_t il, ggml_tensor *x);
 };
+
+// The MoE tensors of layer il (the router, the experts, the shared expert where the file has one),
+// shapes from hp's n_expert / n_ff_exp / n_ff_shexp.  Model::load calls it when hp.n_expert > 0.
+void load_moe(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L);
+
+// For a family whose graph has no experts: std::invalid_argument when the file has some.
+void refuse_experts(const GGUFKeys &kv, const Hparams &hp);
+// A routed-expert width read from <arch>.expert_feed_forward_length, else fallback; checked > 0.
+int32_t expert_width(const GGUFKeys &kv, int64_t fallback);
 
 // The family registered under a general.architecture value, or nullptr.
 const ArchOps *find_arch(const std::string &name);

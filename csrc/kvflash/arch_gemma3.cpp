@@ -11,6 +11,7 @@ namespace kvflash {
 namespace {
 
 void read_gemma3(const GGUFKeys &kv, Hparams &hp) {
+    refuse_experts(kv, hp);
     hp.rope_mode = GGML_ROPE_TYPE_NEOX;
     const int64_t n_swa = kv.a("attention.sliding_window", 0, false);
     if (n_swa < 0 || n_swa > (int64_t(1) << 30))

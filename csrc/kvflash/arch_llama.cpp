@@ -1,13 +1,33 @@
-// The llama family: llama, and two switches on it -- qwen2 (q/k/v biases) and
-// qwen3 (RMS norms on q and k per head).  Both qwen variants use NEOX RoPE.
+// The llama family: llama, and switches on it -- qwen2 (q/k/v biases), qwen3 (RMS norms on q and k
+// per head) and qwen3moe (qwen3 with routed experts).  The qwen variants use NEOX RoPE.  llama with
+// experts (Mixtral's layout) and qwen3moe take their FFN from Forward::ffn's mixture.
 #include "kvflash/arch.h"
 
 namespace kvflash {
 
 namespace {
 
-void read_llama(const GGUFKeys &, Hparams &hp) { hp.rope_mode = 0; }
-void read_neox(const GGUFKeys &, Hparams &hp) { hp.rope_mode = GGML_ROPE_TYPE_NEOX; }
+// llama with experts is Mixtral's layout: experts as wide as feed_forward_length, softmax routing, the
+// chosen weights normalised (llama.cpp's llama graph).
+void read_llama(const GGUFKeys &kv, Hparams &hp) {
+    hp.rope_mode = 0;
+    if (hp.n_expert > 0) {
+        hp.n_ff_exp = expert_width(kv, hp.n_ff);
+        hp.expert_weights_norm = true;
+    }
+}
+void read_neox(const GGUFKeys &kv, Hparams &hp) {
+    refuse_experts(kv, hp);
+    hp.rope_mode = GGML_ROPE_TYPE_NEOX;
+}
+// qwen3moe: qwen3's attention, every layer's FFN routed (softmax over the experts, the chosen weights
+// normalised, not scaled), experts expert_feed_forward_length wide (else n_ff / n_expert_used).
+void read_qwen3moe(const GGUFKeys &kv, Hparams &hp) {
+    hp.rope_mode = GGML_ROPE_TYPE_NEOX;
+    if (hp.n_expert == 0) throw std::invalid_argument(kv.file + ": a qwen3moe file needs expert_count and expert_used_count");
+    hp.n_ff_exp = expert_width(kv, hp.n_ff / hp.n_expert_used);
+    hp.expert_weights_norm = true;
+}
 
 void load_none(const TensorLoader &, const Hparams &, int32_t, LayerWeights &) {}
 
@@ -44,17 +64,16 @@ ggml_tensor *layer(Forward &f, int32_t il, ggml_tensor *x) {
     cur = f.mm(L.wo, cur);
     x = ggml_add(ctx, x, cur);
 
-    cur = f.norm(x, L.ffn_norm);
-    cur = ggml_swiglu_split(ctx, f.mm(L.ffn_gate, cur), f.mm(L.ffn_up, cur));
-    cur = f.mm(L.ffn_down, cur);
+    cur = f.ffn(il, f.norm(x, L.ffn_norm));
     return ggml_add(ctx, x, cur);
 }
 
 }  // namespace
 
-extern const ArchOps kArchLlama, kArchQwen2, kArchQwen3;
+extern const ArchOps kArchLlama, kArchQwen2, kArchQwen3, kArchQwen3Moe;
 const ArchOps kArchLlama{"llama", read_llama, load_none, embed, layer};
 const ArchOps kArchQwen2{"qwen2", read_neox, load_qwen2, embed, layer};
 const ArchOps kArchQwen3{"qwen3", read_neox, load_qwen3, embed, layer};
+const ArchOps kArchQwen3Moe{"qwen3moe", read_qwen3moe, load_qwen3, embed, layer};
 
 }  // namespace kvflash

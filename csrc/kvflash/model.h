@@ -41,6 +41,13 @@ struct Hparams {
     std::vector<uint8_t> is_swa;                      // per layer
     float attn_scale = 0.f;                           // softmax scale
     float final_softcap = 0.f;                        // 0: none
+    // Mixture of experts (n_expert > 0): every layer's FFN routes each token to n_expert_used of
+    // n_expert experts of width n_ff_exp (ggml_mul_mat_id), plus an always-on shared expert of width
+    // n_ff_shexp when the file has one; n_ff is then only the fallback width.
+    int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
+    enum class Gating : uint8_t { Softmax, Sigmoid } expert_gating = Gating::Softmax;
+    bool expert_weights_norm = false;                 // the chosen experts' weights divided by their sum
+    float expert_weights_scale = 0.f;                 // then multiplied by this (0 or 1: not scaled)
     int32_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int32_t n_embd_v() const { return head_dim_v * n_head_kv; }
 };
@@ -52,6 +59,12 @@ struct LayerWeights {
     ggml_tensor *q_norm = nullptr, *k_norm = nullptr;                  // qwen3, gemma3
     ggml_tensor *attn_post_norm = nullptr, *ffn_post_norm = nullptr;   // gemma3
     ggml_tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr;
+    // MoE: the router [n_embd, n_expert], the experts [n_embd, n_ff_exp, n_expert] (gate and up, or
+    // both in one [n_embd, 2 n_ff_exp, n_expert]) and [n_ff_exp, n_embd, n_expert]; the shared expert and its one-output sigmoid gate [n_embd].
+    ggml_tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_gate_up_exps = nullptr,
+                *ffn_down_exps = nullptr;
+    ggml_tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
+                *ffn_down_shexp = nullptr;
 };
 
 // Layers [first, last) computed on the ggml RPC server at endpoint (rpc.h): their weights live there, and a

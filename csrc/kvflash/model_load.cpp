@@ -185,7 +185,23 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     hp.arch = kv.arch;
     hp.n_layer = positive_key(kv, "block_count", 4096);
     hp.n_embd = positive_key(kv, "embedding_length", int64_t(1) << 30);
-    hp.n_ff = positive_key(kv, "feed_forward_length", int64_t(1) << 30);
+    // experts (llama.cpp reads them for every family; a family without a MoE graph refuses them)
+    const int64_t n_expert = kv.a("expert_count", 0, false), n_used = kv.a("expert_used_count", 0, false);
+    if (n_expert > 1) {
+        // llama.cpp's limit on experts (LLAMA_MAX_EXPERTS)
+        check_positive(kv.file, "expert_count", n_expert, 512);
+        check_positive(kv.file, "expert_used_count", n_used, n_expert);
+        if (kv.a("expert_group_count", 0, false) > 1)
+            throw std::invalid_argument(kv.file + ": grouped expert selection (expert_group_count > 1) is not supported");
+        hp.n_expert = int32_t(n_expert);
+        hp.n_expert_used = int32_t(n_used);
+    } else if (n_expert < 0 || n_used < 0 || (n_expert <= 1 && n_used > 1)) {
+        throw std::invalid_argument(kv.file + ": expert_count " + std::to_string(n_expert) + " / expert_used_count " +
+                                    std::to_string(n_used) + " are not a mixture of experts");
+    }
+    // a MoE file may leave the dense width out (its experts have their own)
+    hp.n_ff = hp.n_expert > 0 && !kv.has("feed_forward_length") ? 0
+                                                                  : positive_key(kv, "feed_forward_length", int64_t(1) << 30);
     hp.n_head = positive_key(kv, "attention.head_count", 4096);
     hp.n_head_kv = positive_key(kv, "attention.head_count_kv", 4096, hp.n_head, false);
     if (hp.n_head % hp.n_head_kv != 0)
@@ -413,9 +429,13 @@ void Model::read_tensors() {
         L.wv = t.get(w("attn_v"), {E, nv});
         L.wo = t.get(w("attn_output"), {nq, E});
         L.ffn_norm = t.get(w("ffn_norm"), {E});
-        L.ffn_gate = t.get(w("ffn_gate"), {E, hp.n_ff});
-        L.ffn_up = t.get(w("ffn_up"), {E, hp.n_ff});
-        L.ffn_down = t.get(w("ffn_down"), {hp.n_ff, E});
+        if (hp.n_expert > 0) {
+            load_moe(t, hp, il, L);
+        } else {
+            L.ffn_gate = t.get(w("ffn_gate"), {E, hp.n_ff});
+            L.ffn_up = t.get(w("ffn_up"), {E, hp.n_ff});
+            L.ffn_down = t.get(w("ffn_down"), {hp.n_ff, E});
+        }
         arch_->load_layer(t, hp, il, L);
     }
 }
@@ -657,15 +677,20 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     ggml_backend_buffer_type_t *extra = cpu_extra_bufts(dev, repack_);
     if (!extra || !*extra) return where;
     // the tensors that only feed matrix products (a tied head also feeds get_rows: it stays)
-    std::vector<const ggml_tensor *> mm;
-    for (const LayerWeights &L : layers)
-        for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
+    std::vector<const ggml_tensor *> mm, experts;
+    for (const LayerWeights &L : layers) {
+        for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
+                                     L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp})
             if (t) mm.push_back(t);
+        for (const ggml_tensor *t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_up_exps, L.ffn_down_exps})
+            if (t) experts.push_back(t);
+    }
     if (output && output != tok_embd) mm.push_back(output);
     ggml_init_params ip{8 * ggml_tensor_overhead(), nullptr, true};
     for (int64_t i = 0; i < n_tensors; ++i) {
         ggml_tensor *w = ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i));
-        if (std::find(mm.begin(), mm.end(), w) == mm.end()) continue;
+        const bool expert = std::find(experts.begin(), experts.end(), w) != experts.end();
+        if (!expert && std::find(mm.begin(), mm.end(), w) == mm.end()) continue;
         for (ggml_backend_buffer_type_t *b = extra; *b; ++b) {
             // ggml's AMX buffer only for the one-token copies (place_decode_copies): its mul_mat for
             // several rows crashed here, llama-bench's too (issue 21's note)
@@ -673,8 +698,15 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
             // does the device run a product with w held in this buffer type?  (as llama.cpp asks it)
             ggml_context *ctx = ggml_init(ip);
             if (!ctx) break;
-            ggml_tensor *x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
-            ggml_tensor *op = ggml_mul_mat(ctx, w, x);
+            ggml_tensor *op;
+            if (expert) {  // the routed product: every token to n_expert_used of the experts
+                const int64_t k = hp_.n_expert_used;
+                ggml_tensor *x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, w->ne[0], k, 512);
+                op = ggml_mul_mat_id(ctx, w, x, ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, 512));
+            } else {
+                ggml_tensor *x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
+                op = ggml_mul_mat(ctx, w, x);
+            }
             ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(*b, 0);
             w->buffer = dummy;
             const bool ok = dummy && ggml_backend_dev_supports_op(dev, op);
