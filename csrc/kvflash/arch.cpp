@@ -10,7 +10,8 @@
 namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
-#define KVFLASH_ARCHS(X) X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3)
+#define KVFLASH_ARCHS(X) \
+    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
@@ -38,8 +39,17 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     const int32_t D = hp->head_dim_k, H = hp->n_head, Hkv = hp->n_head_kv;
     const bool swa = hp->is_swa[il] != 0;
     const float base = swa ? hp->rope_base_swa : hp->rope_base, scale = swa ? hp->rope_scale_swa : hp->rope_scale;
-    q = ggml_rope_ext(ctx, q, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
-    k = ggml_rope_ext(ctx, k, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
+    if (hp->rope_multi) {
+        int sections[4];
+        std::copy(hp->rope_sections, hp->rope_sections + 4, sections);
+        q = ggml_rope_multi(ctx, q, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, int(hp->n_ctx_train), base, scale,
+                            0.f, 1.f, 32.f, 1.f);
+        k = ggml_rope_multi(ctx, k, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, int(hp->n_ctx_train), base, scale,
+                            0.f, 1.f, 32.f, 1.f);
+    } else {
+        q = ggml_rope_ext(ctx, q, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
+        k = ggml_rope_ext(ctx, k, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
+    }
     const LayerCache &c = caches[il];
     if (c.paged && n_capture > 0) {
         ggml_tensor *ql = ggml_view_3d(ctx, q, D, H, n_capture, q->nb[1], q->nb[2], size_t(n - n_capture) * q->nb[2]);
@@ -143,6 +153,12 @@ ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
     return out;
 }
 
+void full_rope(const GGUFKeys &kv, const Hparams &hp) {
+    if (hp.n_rot != hp.head_dim_k)
+        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(hp.n_rot) +
+                                    " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported for " + kv.arch);
+}
+
 void refuse_experts(const GGUFKeys &kv, const Hparams &hp) {
     if (hp.n_expert > 0)
         throw std::invalid_argument(kv.file + ": a " + kv.arch + " file with experts (expert_count " +
@@ -155,6 +171,14 @@ int32_t expert_width(const GGUFKeys &kv, int64_t fallback) {
         throw std::invalid_argument(kv.file + ": the experts' width (expert_feed_forward_length " + std::to_string(f) +
                                     ") is out of range");
     return int32_t(f);
+}
+
+void load_ffn(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
+    if (hp.n_expert > 0) return load_moe(t, hp, il, L);
+    const int64_t E = hp.n_embd;
+    L.ffn_gate = t.get(TensorLoader::weight(il, "ffn_gate"), {E, hp.n_ff});
+    L.ffn_up = t.get(TensorLoader::weight(il, "ffn_up"), {E, hp.n_ff});
+    L.ffn_down = t.get(TensorLoader::weight(il, "ffn_down"), {hp.n_ff, E});
 }
 
 void load_moe(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {

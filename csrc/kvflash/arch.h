@@ -31,6 +31,9 @@ struct GGUFKeys {
     int64_t need(const std::string &k, bool required) const;
     // Any integer type; def when absent and not required.
     int64_t get_int(const std::string &k, int64_t def, bool required) const;
+    // An integer array (bools too) of at most max_n values, or a scalar integer as one value; empty
+    // when absent and not required.
+    std::vector<int64_t> get_ints(const std::string &k, size_t max_n, bool required) const;
     // f32/f64, or an integer.
     double get_float(const std::string &k, double def, bool required) const;
     std::string get_str(const std::string &k, const std::string &def, bool required) const;
@@ -60,6 +63,8 @@ struct LayerCache {
     int64_t n_kv = 0;                         // rows attended over (a prefix of the stored rows)
     PoolAttnParams *params = nullptr;         // the CPU pool kernel's parameters (stable address)
     bool paged = false;                       // a pool layer (its queries may be captured)
+    // a recurrent layer instead: its rings (memory.h RecurrentState), read and written at the Forward's rows
+    ggml_tensor *conv = nullptr, *ssm = nullptr;
 };
 
 // One forward graph being built over n tokens: inputs, caches and the shared blocks.
@@ -70,6 +75,10 @@ struct Forward {
     const Hparams *hp = nullptr;
     int32_t n = 0;
     ggml_tensor *tokens = nullptr, *pos = nullptr;   // [n] i32 each
+    ggml_tensor *pos4 = nullptr;                     // multi-section RoPE positions [4 n] (hp->rope_multi)
+    // recurrent layers' ring rows (RecurrentState::place): read conv_in [d_conv - 1] and ssm_in [1] (i32),
+    // write conv_out and ssm_out (i64)
+    ggml_tensor *conv_in = nullptr, *conv_out = nullptr, *ssm_in = nullptr, *ssm_out = nullptr;
     std::vector<LayerCache> caches;                  // per evaluated layer
     bool pool_attn = false;                          // kvflash's CPU kernel, else ggml_flash_attn_ext
     int32_t n_capture = 0;                           // queries of the last n_capture tokens kept per paged layer
@@ -111,12 +120,19 @@ struct ArchOps {
     ggml_tensor *(*embed)(Forward &f);
     // Layer il over x [n_embd, n]; returns the residual stream after it.
     ggml_tensor *(*layer)(Forward &f, int32_t il, ggml_tensor *x);
+    // load_layer loads every tensor of a layer (the hybrids: their layers are not the shared
+    // attention + FFN block); else Model::load reads the shared ones first.
+    bool whole_layers = false;
 };
 
+// Layer il's feed-forward weights: the dense SwiGLU (ffn_gate / ffn_up / ffn_down), or load_moe's.
+void load_ffn(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L);
 // The MoE tensors of layer il (the router, the experts, the shared expert where the file has one),
 // shapes from hp's n_expert / n_ff_exp / n_ff_shexp.  Model::load calls it when hp.n_expert > 0.
 void load_moe(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L);
 
+// For a family whose RoPE covers the whole head (llama.cpp asserts it): std::invalid_argument otherwise.
+void full_rope(const GGUFKeys &kv, const Hparams &hp);
 // For a family whose graph has no experts: std::invalid_argument when the file has some.
 void refuse_experts(const GGUFKeys &kv, const Hparams &hp);
 // A routed-expert width read from <arch>.expert_feed_forward_length, else fallback; checked > 0.

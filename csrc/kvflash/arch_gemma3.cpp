@@ -11,6 +11,7 @@ namespace kvflash {
 namespace {
 
 void read_gemma3(const GGUFKeys &kv, Hparams &hp) {
+    full_rope(kv, hp);
     refuse_experts(kv, hp);
     hp.rope_mode = GGML_ROPE_TYPE_NEOX;
     const int64_t n_swa = kv.a("attention.sliding_window", 0, false);

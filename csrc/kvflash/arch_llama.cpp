@@ -10,6 +10,7 @@ namespace {
 // llama with experts is Mixtral's layout: experts as wide as feed_forward_length, softmax routing, the
 // chosen weights normalised (llama.cpp's llama graph).
 void read_llama(const GGUFKeys &kv, Hparams &hp) {
+    full_rope(kv, hp);
     hp.rope_mode = 0;
     if (hp.n_expert > 0) {
         hp.n_ff_exp = expert_width(kv, hp.n_ff);
@@ -17,12 +18,14 @@ void read_llama(const GGUFKeys &kv, Hparams &hp) {
     }
 }
 void read_neox(const GGUFKeys &kv, Hparams &hp) {
+    full_rope(kv, hp);
     refuse_experts(kv, hp);
     hp.rope_mode = GGML_ROPE_TYPE_NEOX;
 }
 // qwen3moe: qwen3's attention, every layer's FFN routed (softmax over the experts, the chosen weights
 // normalised, not scaled), experts expert_feed_forward_length wide (else n_ff / n_expert_used).
 void read_qwen3moe(const GGUFKeys &kv, Hparams &hp) {
+    full_rope(kv, hp);
     hp.rope_mode = GGML_ROPE_TYPE_NEOX;
     if (hp.n_expert == 0) throw std::invalid_argument(kv.file + ": a qwen3moe file needs expert_count and expert_used_count");
     hp.n_ff_exp = expert_width(kv, hp.n_ff / hp.n_expert_used);

@@ -8,7 +8,9 @@
 //                 host store (pool.h, pager.h); rewinds to any position (the chunk table forgets).
 //   SlidingRing   the sliding-window layers' ring (gemma3): the window plus one piece, on the device;
 //                 rewinds only as far as the ring still holds the window before the new end.
-//   (issue 38)    recurrent state (conv / SSM), rolled back from snapshots of its own.
+//   RecurrentState  the recurrent layers' state (qwen35's Gated DeltaNet: conv inputs and the SSM
+//                 state, f32, never paged): a ring of the last states, so it rewinds a few tokens
+//                 (snapshots), and host checkpoints for a rollback past them.
 #pragma once
 
 #include <cstdint>
@@ -90,6 +92,72 @@ private:
     std::vector<ggml_backend_buffer_t> bufs_;
     std::vector<ggml_tensor *> k_, v_;        // [n_embd, tokens] per ring layer
     std::vector<int64_t> pos_;
+};
+
+// The recurrent layers' state.  Per layer two rings on the backend, each with one more row that stays
+// zero (the state before position 0):
+//   conv  [channels, conv_rows + 1]: the conv's input row of each recent position (position p in row
+//         p mod conv_rows); a layer's conv state before position p is the rows of p-(d_conv-1) .. p-1;
+//   ssm   [state, snapshots + 1]: the SSM state after each recent position (p in row p mod
+//         (snapshots + 1)), from ggml_gated_delta_net's snapshots.
+// A piece of n tokens at pos0 reads the state before pos0 and writes the rows of its last positions
+// (at most snapshots SSM states and snapshots + d_conv - 2 conv rows), after its reads.  A piece no
+// longer than that writes none of the rows it reads, so one that fails leaves the state before it
+// intact; for longer evals the runtime keeps a HostCheckpoint of the state before them.  A truncate to n needs the SSM state after n - 1
+// and the conv rows before n still held: max_rewind() says how far back that is (snapshots - 1 after
+// a long enough run); further back, a HostCheckpoint taken there restores it.
+class RecurrentState final : public Memory {
+public:
+    // layers: the recurrent layers; channels: conv channels; d_conv: the conv kernel width; state: the
+    // SSM state's floats per layer; snapshots >= 1: SSM states kept (rewinds of up to snapshots - 1).
+    RecurrentState(ggml_backend_t backend, int32_t layers, int64_t channels, int32_t d_conv, int64_t state,
+                   int32_t snapshots);
+    ~RecurrentState() override;
+    RecurrentState(const RecurrentState &) = delete;
+    RecurrentState &operator=(const RecurrentState &) = delete;
+
+    const char *kind() const override { return "recurrent state"; }
+    int64_t max_rewind() const override;
+    std::string rewind_refusal(int64_t n) const override;
+    void truncate(int64_t n) override;
+    void reset() override;
+    size_t device_bytes() const override;
+
+    int32_t n_layers() const { return int32_t(conv_.size()); }
+    int32_t snapshots() const { return snapshots_; }
+    int32_t d_conv() const { return d_conv_; }
+    ggml_tensor *conv(int32_t i) const { return conv_[size_t(i)]; }
+    ggml_tensor *ssm(int32_t i) const { return ssm_[size_t(i)]; }
+    // Rows a piece of n tokens writes: conv inputs and SSM snapshots (graph shapes).
+    int32_t conv_written(int32_t n) const { return std::min(n, snapshots_ + d_conv_ - 2 > 0 ? snapshots_ + d_conv_ - 2 : 1); }
+    int32_t ssm_written(int32_t n) const { return std::min(n, snapshots_); }
+    // A piece at [pos0, pos0 + n): the rows it reads (conv_in [d_conv - 1], ssm_in [1]) and writes
+    // (conv_out [conv_written(n)] for its last positions, ssm_out [ssm_written(n)] for its last
+    // positions, newest first, as ggml_gated_delta_net orders its snapshots).  pos0 must be the
+    // state's end; the rows written are marked as holding their positions.
+    void place(int64_t pos0, int32_t n, int32_t *conv_in, int64_t *conv_out, int32_t *ssm_in, int64_t *ssm_out);
+    int64_t end() const { return end_; }
+
+    // The state at a position (the SSM state after pos - 1 and the conv rows before pos) in host RAM.
+    struct HostCheckpoint {
+        int64_t pos = -1;
+        std::vector<float> data;   // per layer: conv rows (d_conv - 1) x channels, then the SSM state
+    };
+    // The state at the end now; restore() makes it the state again (positions past it forgotten).
+    HostCheckpoint checkpoint() const;
+    void restore(const HostCheckpoint &c);
+    size_t checkpoint_floats() const { return size_t(n_layers()) * (size_t(d_conv_ - 1) * channels_ + state_); }
+
+private:
+    bool holds_conv(int64_t p) const { return p < 0 || conv_pos_[size_t(p % conv_rows_)] == p; }
+    bool holds_ssm(int64_t p) const { return p < 0 || ssm_pos_[size_t(p % (snapshots_ + 1))] == p; }
+    int64_t channels_, state_;
+    int32_t d_conv_, snapshots_, conv_rows_;
+    int64_t end_ = 0;
+    ggml_context *ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_tensor *> conv_, ssm_;
+    std::vector<int64_t> conv_pos_, ssm_pos_;   // the position each ring row holds (-1: none)
 };
 
 }  // namespace kvflash

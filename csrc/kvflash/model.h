@@ -11,6 +11,7 @@
 // Shapes follow ggml order (innermost first): x: [n_embd, n_tokens].
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,24 @@ struct Hparams {
     int rope_mode = 0;                                // 0 normal (llama), 2 neox
     int32_t n_swa = 0;                                // sliding window (0: none)
     std::vector<uint8_t> is_swa;                      // per layer
+    // Per layer: a recurrent layer (qwen35's Gated DeltaNet) keeps conv and SSM state instead of KV
+    // (never paged); the other layers attend (paged, or the sliding ring where is_swa).
+    std::vector<uint8_t> is_recr;
+    // Gated DeltaNet geometry (recurrent layers): conv kernel width, value width (d_inner = heads x
+    // state), the state size (the head dim of q, k and v), v heads (dt_rank) and q/k heads (groups).
+    int32_t ssm_d_conv = 0, ssm_d_inner = 0, ssm_d_state = 0, ssm_dt_rank = 0, ssm_n_group = 0;
+    // Multi-section RoPE (GGML_ROPE_TYPE_IMROPE and MROPE modes): dims per section; text tokens take the
+    // position in the first three sections and 0 in the fourth.
+    int rope_sections[4] = {0, 0, 0, 0};
+    bool rope_multi = false;
+    // Gated attention output (qwen35): wq's rows are, per head, the query then a gate; the attention
+    // output is multiplied by sigmoid(gate) before wo.
+    bool attn_out_gate = false;
+    int32_t n_layer_nextn = 0;                        // MTP / nextn blocks after the trunk (skipped)
+    // Gated DeltaNet sizes: the conv channels (q, k and v), a layer's conv state and SSM state (floats).
+    int64_t ssm_conv_channels() const { return int64_t(ssm_d_inner) + 2 * int64_t(ssm_n_group) * ssm_d_state; }
+    int64_t ssm_state_floats() const { return int64_t(ssm_d_inner / std::max(ssm_dt_rank, 1)) * (ssm_d_inner / std::max(ssm_dt_rank, 1)) * ssm_dt_rank; }
+    bool recurrent() const { for (uint8_t r : is_recr) if (r) return true; return false; }
     float attn_scale = 0.f;                           // softmax scale
     float final_softcap = 0.f;                        // 0: none
     // Mixture of experts (n_expert > 0): every layer's FFN routes each token to n_expert_used of
@@ -65,6 +84,11 @@ struct LayerWeights {
                 *ffn_down_exps = nullptr;
     ggml_tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
                 *ffn_down_shexp = nullptr;
+    // Gated DeltaNet (a recurrent layer): the q/k/v projection [n_embd, conv channels] and the output
+    // gate z [n_embd, d_inner]; the conv kernel [d_conv, channels] (f32); the decay's bias and -exp(A)
+    // [dt_rank]; beta and alpha [n_embd, dt_rank]; the gated norm [head dim]; the output [d_inner, n_embd].
+    ggml_tensor *wqkv = nullptr, *wqkv_gate = nullptr, *ssm_conv1d = nullptr, *ssm_dt = nullptr, *ssm_a = nullptr,
+                *ssm_beta = nullptr, *ssm_alpha = nullptr, *ssm_norm = nullptr, *ssm_out = nullptr;
 };
 
 // Layers [first, last) computed on the ggml RPC server at endpoint (rpc.h): their weights live there, and a
@@ -131,7 +155,7 @@ public:
     // on the first call and shared after; TokenizerError when the file has none kvflash can use (the
     // next call tries again).  Thread-safe.
     std::shared_ptr<const Tokenizer> tokenizer() const;
-    // Model layer indices whose attention is global (these are paged).
+    // Model layer indices whose attention is global (these are paged; not sliding, not recurrent).
     std::vector<int32_t> global_layers() const;
 
     ggml_tensor *tok_embd = nullptr, *output_norm = nullptr, *output = nullptr;

@@ -54,6 +54,39 @@ int64_t GGUFKeys::get_int(const std::string &k, int64_t def, bool required) cons
     }
 }
 
+std::vector<int64_t> GGUFKeys::get_ints(const std::string &k, size_t max_n, bool required) const {
+    const int64_t id = need(k, required);
+    if (id < 0) return {};
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) return {get_int(k, 0, true)};
+    const gguf_type t = gguf_get_arr_type(g, id);
+    const size_t n = gguf_get_arr_n(g, id);
+    if (n > max_n) bad(k, "has " + std::to_string(n) + " values, at most " + std::to_string(max_n) + " expected");
+    if (t == GGUF_TYPE_STRING || t == GGUF_TYPE_ARRAY || t == GGUF_TYPE_FLOAT32 || t == GGUF_TYPE_FLOAT64)
+        bad(k, "should be an integer or an array of integers");
+    const void *d = n ? gguf_get_arr_data(g, id) : nullptr;
+    std::vector<int64_t> out(n);
+    for (size_t i = 0; i < n; ++i) {
+        switch (t) {
+            case GGUF_TYPE_BOOL: out[i] = static_cast<const int8_t *>(d)[i] != 0; break;
+            case GGUF_TYPE_UINT8: out[i] = static_cast<const uint8_t *>(d)[i]; break;
+            case GGUF_TYPE_INT8: out[i] = static_cast<const int8_t *>(d)[i]; break;
+            case GGUF_TYPE_UINT16: out[i] = static_cast<const uint16_t *>(d)[i]; break;
+            case GGUF_TYPE_INT16: out[i] = static_cast<const int16_t *>(d)[i]; break;
+            case GGUF_TYPE_UINT32: out[i] = static_cast<const uint32_t *>(d)[i]; break;
+            case GGUF_TYPE_INT32: out[i] = static_cast<const int32_t *>(d)[i]; break;
+            case GGUF_TYPE_INT64: out[i] = static_cast<const int64_t *>(d)[i]; break;
+            case GGUF_TYPE_UINT64: {
+                const uint64_t v = static_cast<const uint64_t *>(d)[i];
+                if (v > uint64_t(std::numeric_limits<int64_t>::max())) bad(k, "has a value past 2^63");
+                out[i] = int64_t(v);
+                break;
+            }
+            default: bad(k, "should be an integer or an array of integers");
+        }
+    }
+    return out;
+}
+
 double GGUFKeys::get_float(const std::string &k, double def, bool required) const {
     const int64_t id = need(k, required);
     if (id < 0) return def;
@@ -213,11 +246,12 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     hp.head_dim_v = positive_key(kv, "attention.value_length", 1024, hp.head_dim_k, false);
     if (hp.head_dim_k != hp.head_dim_v)
         throw std::invalid_argument(kv.file + ": key_length != value_length is not supported");
+    // RoPE over the first n_rot dims of a head (partial where the family allows it: full_rope)
     const int64_t n_rot = kv.a("rope.dimension_count", hp.head_dim_k, false);
-    hp.n_rot = n_rot == hp.head_dim_k ? hp.head_dim_k : -1;
-    if (hp.n_rot != hp.head_dim_k)
-        throw std::invalid_argument(kv.file + ": partial RoPE (rope.dimension_count " + std::to_string(n_rot) +
-                                    " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported");
+    if (n_rot <= 0 || n_rot > hp.head_dim_k || n_rot % 2)
+        throw std::invalid_argument(kv.file + ": rope.dimension_count " + std::to_string(n_rot) +
+                                    " must be even and in [2, head dim " + std::to_string(hp.head_dim_k) + "]");
+    hp.n_rot = int32_t(n_rot);
     hp.n_ctx_train = kv.a("context_length", 4096, false);
     check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
     if (hp.n_ctx_train > kMaxContext) {
@@ -238,6 +272,7 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
         throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear)");
     }
     hp.is_swa.assign(hp.n_layer, 0);
+    hp.is_recr.assign(hp.n_layer, 0);
     hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
     return hp;
 }
@@ -423,19 +458,17 @@ void Model::read_tensors() {
     for (int32_t il = 0; il < hp.n_layer; ++il) {
         auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
         LayerWeights &L = layers[il];
+        if (arch_->whole_layers) {  // a family whose layers differ from the shared block loads them itself
+            arch_->load_layer(t, hp, il, L);
+            continue;
+        }
         L.attn_norm = t.get(w("attn_norm"), {E});
         L.wq = t.get(w("attn_q"), {E, nq});
         L.wk = t.get(w("attn_k"), {E, nk});
         L.wv = t.get(w("attn_v"), {E, nv});
         L.wo = t.get(w("attn_output"), {nq, E});
         L.ffn_norm = t.get(w("ffn_norm"), {E});
-        if (hp.n_expert > 0) {
-            load_moe(t, hp, il, L);
-        } else {
-            L.ffn_gate = t.get(w("ffn_gate"), {E, hp.n_ff});
-            L.ffn_up = t.get(w("ffn_up"), {E, hp.n_ff});
-            L.ffn_down = t.get(w("ffn_down"), {hp.n_ff, E});
-        }
+        load_ffn(t, hp, il, L);
         arch_->load_layer(t, hp, il, L);
     }
 }
@@ -680,7 +713,8 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     std::vector<const ggml_tensor *> mm, experts;
     for (const LayerWeights &L : layers) {
         for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
-                                     L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp})
+                                     L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, L.wqkv, L.wqkv_gate,
+                                     L.ssm_beta, L.ssm_alpha, L.ssm_out})
             if (t) mm.push_back(t);
         for (const ggml_tensor *t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_up_exps, L.ffn_down_exps})
             if (t) experts.push_back(t);
@@ -781,7 +815,7 @@ std::pair<size_t, size_t> Model::device_memory() const {
 std::vector<int32_t> Model::global_layers() const {
     std::vector<int32_t> out;
     for (int32_t il = 0; il < hp_.n_layer; ++il)
-        if (!hp_.is_swa[il]) out.push_back(il);
+        if (!hp_.is_swa[il] && !hp_.is_recr[il]) out.push_back(il);
     return out;
 }
 

@@ -29,6 +29,8 @@ struct Runtime::Graph {
     ggml_backend_sched_t sched = nullptr;   // layers on RPC servers: the scheduler places and allocates
     ggml_tensor *tokens = nullptr, *pos = nullptr, *slots = nullptr, *mask = nullptr;
     ggml_tensor *swa_slots = nullptr, *swa_mask = nullptr, *logits = nullptr;
+    ggml_tensor *pos4 = nullptr;                 // multi-section RoPE: [4 n] i32
+    ggml_tensor *conv_in = nullptr, *conv_out = nullptr, *ssm_in = nullptr, *ssm_out = nullptr;   // recurrent rows
     std::vector<ggml_tensor *> q_out;  // per paged layer: [D, H, n_capture]
     int32_t n_capture = 0;
     PoolAttnParams attn, attn_swa;   // stable addresses for the custom attention ops
@@ -90,7 +92,19 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     paged_ = std::make_unique<PagedMemory>(
         std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts));
     memories_.push_back(paged_.get());
-    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size());
+    recr_index_.assign(hp.n_layer, -1);
+    int32_t n_recr = 0;
+    for (int32_t il = 0; il < n_eval_layers_; ++il)
+        if (hp.is_recr[il]) recr_index_[il] = n_recr++;
+    if (n_recr > 0) {
+        if (remote()) throw std::invalid_argument("a model with recurrent layers cannot place layers on RPC servers yet");
+        if (cfg_.recurrent_snapshots < 1 || cfg_.recurrent_snapshots > 256)
+            throw std::invalid_argument("recurrent_snapshots must be in [1, 256], got " + std::to_string(cfg_.recurrent_snapshots));
+        recr_ = std::make_unique<RecurrentState>(model_->backend(), n_recr, hp.ssm_conv_channels(), hp.ssm_d_conv,
+                                                 hp.ssm_state_floats(), cfg_.recurrent_snapshots);
+        memories_.push_back(recr_.get());
+    }
+    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size()) - n_recr;
     if (n_swa_layers > 0) {
         // Sliding-window layers keep a ring of their window plus one piece of new keys, on the
         // model's backend like the pool (a remote layer's ring on its server).  A piece never exceeds
@@ -101,7 +115,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
                                                                   (cfg_.max_ctx + 255) / 256 * 256)));
         std::vector<ggml_backend_buffer_type_t> ring_bufts;
         for (int32_t il = 0; il < n_eval_layers_; ++il) {
-            if (paged_index_[il] >= 0) continue;
+            if (paged_index_[il] >= 0 || recr_index_[il] >= 0) continue;
             paged_index_[il] = -2 - int32_t(ring_bufts.size());  // -2 - ring index
             ring_bufts.push_back(model_->layer_buft(il));
         }
@@ -115,6 +129,7 @@ Runtime::~Runtime() {
     decode_graph_.reset();
     batch_graph_.reset();
     exact_graph_.reset();
+    recr_.reset();
     ring_.reset();
     paged_.reset();
 }
@@ -148,6 +163,17 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     g.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
     g.mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv_pool, n);  // attend over the occupied prefix of the pool
     for (ggml_tensor *t : {g.tokens, g.pos, g.slots, g.mask}) ggml_set_input(t);
+    if (hp.rope_multi) {
+        g.pos4 = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * int64_t(n));
+        ggml_set_input(g.pos4);
+    }
+    if (recr_) {
+        g.conv_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, recr_->d_conv() - 1);
+        g.conv_out = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, recr_->conv_written(n));
+        g.ssm_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+        g.ssm_out = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, recr_->ssm_written(n));
+        for (ggml_tensor *t : {g.conv_in, g.conv_out, g.ssm_in, g.ssm_out}) ggml_set_input(t);
+    }
     if (ring_) {
         g.swa_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
         g.swa_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, ring_->tokens(), n);
@@ -177,6 +203,11 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     f.n = n;
     f.tokens = g.tokens;
     f.pos = g.pos;
+    f.pos4 = g.pos4;
+    f.conv_in = g.conv_in;
+    f.conv_out = g.conv_out;
+    f.ssm_in = g.ssm_in;
+    f.ssm_out = g.ssm_out;
     f.pool_attn = g.exact || use_pool_attn(n);   // exact: the CPU kernel (eval checked the backend)
     f.n_capture = g.n_capture;
     f.one_row = g.one_row;
@@ -190,9 +221,17 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
         const int32_t pi = paged_index_[il];
         if (pi >= 0) f.caches.push_back({paged_->pool().k(pi), paged_->pool().v(pi), g.slots, g.mask, n_kv_pool,
                                          g.exact ? &g.attn_exact[pi] : &g.attn, true});
-        else f.caches.push_back({ring_->k(-2 - pi), ring_->v(-2 - pi), g.swa_slots, g.swa_mask, ring_->tokens(),
+        else if (recr_index_[il] >= 0) {
+            LayerCache c;
+            c.conv = recr_->conv(recr_index_[il]);
+            c.ssm = recr_->ssm(recr_index_[il]);
+            f.caches.push_back(c);
+        } else f.caches.push_back({ring_->k(-2 - pi), ring_->v(-2 - pi), g.swa_slots, g.swa_mask, ring_->tokens(),
                                  &g.attn_swa, false});
     }
+    // inputs every piece sets, in the graph whether or not a layer reads them (so they are allocated):
+    // multi-section RoPE reads pos4, not pos
+    ggml_build_forward_expand(g.gf, g.pos);
     const ArchOps &arch = model_->arch();
     ggml_tensor *x = arch.embed(f);
     for (int32_t il = 0; il < n_eval_layers_; ++il) x = arch.layer(f, il, x);
@@ -301,6 +340,10 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     const int32_t captured0 = n_captured_;
     std::vector<float> queries0;
     if (n > 1) queries0 = captured_q_;
+    // The recurrent state before the eval, in host RAM, when the eval's pieces could write past what its
+    // snapshots can take back.
+    RecurrentState::HostCheckpoint state0;
+    if (recr_ && n >= recr_->snapshots()) state0 = recr_->checkpoint();
     try {
     while (done < n) {
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
@@ -326,9 +369,10 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     } catch (...) {
         // All or nothing: a failure (or an interrupt) in a later piece takes back the
         // earlier ones, unless the sliding-window ring cannot rewind that far.
-        if (n_past_ > start) {
+        // (the recurrent state's checkpoint also undoes a failed piece's writes over the rows it read)
+        if (n_past_ > start || state0.pos == start) {
             try {
-                truncate(start);
+                truncate_to(start, state0.pos == start ? &state0 : nullptr);
                 captured_q_.swap(queries0);
                 n_captured_ = captured0;
             } catch (const std::exception &) {}
@@ -412,6 +456,20 @@ void Runtime::set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots3
         pg.fill_mask(pos64.data(), n, mask.data(), n_kv);
         ggml_backend_tensor_set(g.mask, mask.data(), 0, sizeof(uint16_t) * size_t(n_kv) * n);
         decode_mask_epoch_ = -1;
+    }
+    if (g.pos4) {   // text tokens: the position in the first three sections, 0 in the fourth
+        std::vector<int32_t> p4(4 * size_t(n), 0);
+        for (int32_t i = 0; i < n; ++i) p4[size_t(i)] = p4[size_t(n + i)] = p4[size_t(2 * n + i)] = pos[size_t(i)];
+        ggml_backend_tensor_set(g.pos4, p4.data(), 0, sizeof(int32_t) * p4.size());
+    }
+    if (recr_) {
+        std::vector<int32_t> ci(size_t(recr_->d_conv() - 1)), si(1);
+        std::vector<int64_t> co(size_t(recr_->conv_written(n))), so(size_t(recr_->ssm_written(n)));
+        recr_->place(pos0, n, ci.data(), co.data(), si.data(), so.data());
+        ggml_backend_tensor_set(g.conv_in, ci.data(), 0, sizeof(int32_t) * ci.size());
+        ggml_backend_tensor_set(g.conv_out, co.data(), 0, sizeof(int64_t) * co.size());
+        ggml_backend_tensor_set(g.ssm_in, si.data(), 0, sizeof(int32_t));
+        ggml_backend_tensor_set(g.ssm_out, so.data(), 0, sizeof(int64_t) * so.size());
     }
     if (!ring_) return;
     std::vector<int64_t> rs(n);
@@ -514,12 +572,19 @@ void Runtime::set_captured(std::vector<float> q, int32_t k) {
     n_captured_ = k;
 }
 
-void Runtime::truncate(int64_t n_past) {
+void Runtime::truncate(int64_t n_past) { truncate_to(n_past, nullptr); }
+
+void Runtime::truncate_to(int64_t n_past, const RecurrentState::HostCheckpoint *ck) {
     if (n_past < 0 || n_past > n_past_)
         throw std::out_of_range("truncate: n_past must be in [0, " + std::to_string(n_past_) + "]");
-    for (const Memory *m : memories_)   // every memory can go back that far, or nothing changes
-        if (n_past_ - n_past > m->max_rewind()) throw std::invalid_argument(m->rewind_refusal(n_past));
-    for (Memory *m : memories_) m->truncate(n_past);
+    // the recurrent state comes back from a checkpoint taken at n_past, when one is given
+    const Memory *restored = ck && recr_ && ck->pos == n_past ? recr_.get() : nullptr;
+    for (const Memory *m : memories_)   // every memory can go back that far (to 0 always), or nothing changes
+        if (m != restored && n_past > 0 && n_past_ - n_past > m->max_rewind())
+            throw std::invalid_argument(m->rewind_refusal(n_past));
+    for (Memory *m : memories_)
+        if (m != restored) m->truncate(n_past);
+    if (restored) recr_->restore(*ck);
     if (observer_) observer_->truncated(*this, n_past);
     // Captured queries at positions >= n_past go with the cache; the window keeps its start.
     if (n_captured_ > 0) {

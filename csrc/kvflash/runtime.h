@@ -49,6 +49,9 @@ struct RuntimeConfig {
     // Post-RoPE queries of the last capture_queries tokens of each eval are kept
     // (per paged layer) for relevance scoring; 0 disables.
     int32_t capture_queries = 1;
+    // Recurrent layers (qwen35): the SSM states kept for rewinds (truncates of up to recurrent_snapshots - 1
+    // tokens, exact mode's rejected drafts); each costs one state per recurrent layer.
+    int32_t recurrent_snapshots = 8;
 };
 
 struct RuntimeStats {
@@ -127,6 +130,8 @@ public:
     size_t swa_bytes() const;         // sliding-window ring bytes (not paged)
     // The memories (memory.h): the paged KV first, then the sliding-window ring when the model has one.
     const std::vector<Memory *> &memories() const { return memories_; }
+    RecurrentState *recurrent() { return recr_.get(); }
+    const RecurrentState *recurrent() const { return recr_.get(); }
     SlidingRing *ring() { return ring_.get(); }
     const SlidingRing *ring() const { return ring_.get(); }
     const RuntimeStats &stats() const { return stats_; }
@@ -179,6 +184,8 @@ private:
     void set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots, int32_t n_kv);
     void set_exact_rows(Graph &g, int64_t pos0, int32_t n);   // the row tables and causal mask of an exact piece
     void keep_captured(const Graph &g, int32_t cap);
+    // truncate, with the recurrent state restored from ck where ck was taken at n_past
+    void truncate_to(int64_t n_past, const RecurrentState::HostCheckpoint *ck);
     bool remote() const { return !model_->remote_layers().empty(); }
 
     std::shared_ptr<Model> model_;
@@ -187,6 +194,8 @@ private:
     int32_t n_eval_layers_ = 0;           // layers evaluated (all, or eval_layers)
     std::unique_ptr<PagedMemory> paged_;  // the paged layers' KV: pool, pager, host store
     std::unique_ptr<SlidingRing> ring_;   // the sliding-window layers' ring (gemma3), or none
+    std::unique_ptr<RecurrentState> recr_;   // the recurrent layers' state (qwen35), or none
+    std::vector<int32_t> recr_index_;     // model layer -> recurrent layer (-1: not one)
     std::vector<Memory *> memories_;      // each of the above that exists: truncate and reset ask them all
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
     std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;
