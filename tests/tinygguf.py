@@ -156,6 +156,44 @@ def _add_extra_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
         raise TypeError(f"unsupported metadata value for {key}: {type(val)}")
 
 
+def _write_tokenizer(w: gguf.GGUFWriter, vocab: dict[str, Any], n_vocab: int,
+                     tokenizer_size: int | None = None,
+                     tokenizer_extra_merges: list[tuple[str, str]] | None = None) -> None:
+    """The byte-level BPE tokenizer of make_vocab (optionally cut short or with extra merges)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tok_list, tok_types, tok_merges = list(vocab["tokens"]), list(vocab["token_types"]), list(vocab["merges"])
+    if tokenizer_size is not None:
+        if not vocab["eos_id"] < tokenizer_size <= n_vocab:
+            raise ValueError(f"tokenizer_size must be in ({vocab['eos_id']}, {n_vocab}]")
+        tok_list, tok_types = tok_list[:tokenizer_size], tok_types[:tokenizer_size]
+    for a, b in tokenizer_extra_merges or []:
+        if a not in tok_list or b not in tok_list or a + b in tok_list:
+            raise ValueError(f"extra merge {a!r} + {b!r}: both parts must be tokens, the result a new one")
+        tok_merges.append(f"{a} {b}")
+        tok_list.append(a + b)
+        tok_types.append(int(gguf.TokenType.NORMAL))
+    w.add_token_list(tok_list)
+    w.add_token_types(tok_types)
+    w.add_token_merges(tok_merges)
+    w.add_bos_token_id(vocab["bos_id"])
+    w.add_eos_token_id(vocab["eos_id"])
+    w.add_add_bos_token(True)
+
+
+def _write_tensors(w: gguf.GGUFWriter, file_arrays: dict[str, Any]) -> None:
+    """Add every tensor (ndarray, or (raw bytes, quant type)) and write the file."""
+    for name, a in file_arrays.items():
+        if isinstance(a, tuple):
+            w.add_tensor(name, a[0], raw_dtype=a[1])
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 # Long on purpose: every key and tensor of the file, in the order it is written.
 def write_tiny_model(
     path: str | Path,
@@ -327,40 +365,12 @@ def write_tiny_model(
     elif final_logit_softcapping:
         raise ValueError("final_logit_softcapping is only read by llama.cpp for gemma3 here")
 
-    # tokenizer
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    tok_list, tok_types, tok_merges = list(vocab["tokens"]), list(vocab["token_types"]), list(vocab["merges"])
-    if tokenizer_size is not None:
-        if not vocab["eos_id"] < tokenizer_size <= n_vocab:
-            raise ValueError(f"tokenizer_size must be in ({vocab['eos_id']}, {n_vocab}]")
-        tok_list, tok_types = tok_list[:tokenizer_size], tok_types[:tokenizer_size]
-    for a, b in tokenizer_extra_merges or []:
-        if a not in tok_list or b not in tok_list or a + b in tok_list:
-            raise ValueError(f"extra merge {a!r} + {b!r}: both parts must be tokens, the result a new one")
-        tok_merges.append(f"{a} {b}")
-        tok_list.append(a + b)
-        tok_types.append(int(gguf.TokenType.NORMAL))
-    w.add_token_list(tok_list)
-    w.add_token_types(tok_types)
-    w.add_token_merges(tok_merges)
-    w.add_bos_token_id(vocab["bos_id"])
-    w.add_eos_token_id(vocab["eos_id"])
-    w.add_add_bos_token(True)
+    _write_tokenizer(w, vocab, n_vocab, tokenizer_size, tokenizer_extra_merges)
 
     for k, v in (extra or {}).items():
         _add_extra_kv(w, k, v)
 
-    for name, a in file_arrays.items():
-        if isinstance(a, tuple):
-            w.add_tensor(name, a[0], raw_dtype=a[1])
-        else:
-            w.add_tensor(name, a)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, file_arrays)
 
     # ---- hparams as llama.cpp derives them ---------------------------------
     if arch == "gemma3":
@@ -433,3 +443,158 @@ def write_tiny_chat_model(path: str | Path, *, seed: int, **kw) -> None:
     """A 2-layer f32 llama (n_embd 128, 4 heads, 2 KV heads) with PLAIN_CHAT_TEMPLATE."""
     write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, weight_type="f32",
                      seed=seed, extra={"tokenizer.chat_template": PLAIN_CHAT_TEMPLATE}, **kw)
+
+
+HYBRID_ARCHS = ("qwen3moe", "qwen35", "qwen35moe")
+
+
+def write_tiny_hybrid(
+    path: str | Path,
+    arch: str,
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_rot: int | None = None,
+    n_ff: int = 96,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_ff_shexp: int = 48,
+    full_attention_interval: int = 4,
+    ssm_d_conv: int = 4,
+    ssm_d_state: int = 16,
+    ssm_dt_rank: int = 4,
+    ssm_n_group: int = 2,
+    nextn_layers: int = 0,
+    router_scale: float = 4.0,
+    n_vocab: int | None = None,
+    ctx_len: int = 65536,
+    seed: int = 0,
+    weight_type: str = "f32",
+    rope_base: float = 10000.0,
+    rms_eps: float = 1e-6,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A tiny random-weight qwen3moe, qwen35 or qwen35moe GGUF, laid out as llama.cpp loads it.
+
+    qwen3moe: every layer full attention (q/k norms, NeoX RoPE) with a routed MoE FFN (softmax gating,
+    top-k normalised).  qwen35 / qwen35moe: Gated DeltaNet layers with a gated full-attention layer every
+    ``full_attention_interval``-th (interleaved multi-section RoPE over ``n_rot`` of the head, default a
+    quarter), the MoE variant with a shared expert behind a sigmoid gate.  ``nextn_layers`` appends MTP
+    blocks (full attention layers plus their extra tensors) that inference skips.  The router's weights are
+    ``router_scale`` times the other matrices' scale so the top-k choice has a margin (a tie flipped by
+    rounding is not a bug).  Returns {"path", "hparams"} with the dims written.
+    """
+    if arch not in HYBRID_ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; expected one of {HYBRID_ARCHS}")
+    if weight_type not in ("f32", "f16"):
+        raise ValueError("weight_type must be 'f32' or 'f16'")
+    moe = arch != "qwen35"
+    hybrid = arch != "qwen3moe"
+    n_rot = n_rot if n_rot is not None else (head_dim // 4 if hybrid else head_dim)
+    vocab = make_vocab(n_vocab)
+    n_vocab = len(vocab["tokens"])
+    rng = np.random.default_rng(seed)
+    np_wtype = np.float16 if weight_type == "f16" else np.float32
+    n_all = n_layer + nextn_layers
+    recr = [hybrid and il < n_layer and (il + 1) % full_attention_interval != 0 for il in range(n_all)]
+    arrays: dict[str, Any] = {}
+
+    def mat(name: str, *shape: int, std: float, dtype=None) -> None:
+        arrays[name] = (rng.standard_normal(shape) * std).astype(dtype or np_wtype)
+
+    def vec(name: str, n: int, mean: float, std: float) -> None:
+        arrays[name] = (mean + rng.standard_normal(n) * std).astype(np.float32)
+
+    E, D = n_embd, head_dim
+    inv = 1.0 / math.sqrt(E)
+    mat("token_embd.weight", n_vocab, E, std=0.3)
+    vec("output_norm.weight", E, 1.0, 0.1)
+    mat("output.weight", n_vocab, E, std=0.3)
+    key_dim, value_dim = ssm_d_state * ssm_n_group, ssm_d_state * ssm_dt_rank
+    for il in range(n_all):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", E, 1.0, 0.1)
+        if hybrid:
+            vec(p + "post_attention_norm.weight", E, 1.0, 0.1)
+        else:
+            vec(p + "ffn_norm.weight", E, 1.0, 0.1)
+        if recr[il]:
+            C = 2 * key_dim + value_dim
+            mat(p + "attn_qkv.weight", C, E, std=inv)
+            mat(p + "attn_gate.weight", value_dim, E, std=inv)
+            mat(p + "ssm_conv1d.weight", C, ssm_d_conv, std=1.0 / math.sqrt(ssm_d_conv), dtype=np.float32)
+            vec(p + "ssm_dt.bias", ssm_dt_rank, 0.0, 0.5)
+            arrays[p + "ssm_a"] = (-np.exp(rng.standard_normal(ssm_dt_rank) * 0.5)).astype(np.float32)
+            mat(p + "ssm_beta.weight", ssm_dt_rank, E, std=inv)
+            mat(p + "ssm_alpha.weight", ssm_dt_rank, E, std=inv)
+            vec(p + "ssm_norm.weight", ssm_d_state, 1.0, 0.1)
+            mat(p + "ssm_out.weight", E, value_dim, std=1.0 / math.sqrt(value_dim))
+        else:
+            mat(p + "attn_q.weight", (2 if hybrid else 1) * D * n_head, E, std=inv)
+            mat(p + "attn_k.weight", D * n_head_kv, E, std=inv)
+            mat(p + "attn_v.weight", D * n_head_kv, E, std=inv)
+            mat(p + "attn_output.weight", E, D * n_head, std=1.0 / math.sqrt(D * n_head))
+            vec(p + "attn_q_norm.weight", D, 1.0, 0.1)
+            vec(p + "attn_k_norm.weight", D, 1.0, 0.1)
+        if moe:
+            mat(p + "ffn_gate_inp.weight", n_expert, E, std=router_scale * inv, dtype=np.float32)
+            mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, E, std=inv)
+            mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, E, std=inv)
+            mat(p + "ffn_down_exps.weight", n_expert, E, n_ff_exp, std=1.0 / math.sqrt(n_ff_exp))
+            if arch == "qwen35moe":
+                mat(p + "ffn_gate_inp_shexp.weight", E, std=inv, dtype=np.float32)
+                mat(p + "ffn_gate_shexp.weight", n_ff_shexp, E, std=inv)
+                mat(p + "ffn_up_shexp.weight", n_ff_shexp, E, std=inv)
+                mat(p + "ffn_down_shexp.weight", E, n_ff_shexp, std=1.0 / math.sqrt(n_ff_shexp))
+        else:
+            mat(p + "ffn_gate.weight", n_ff, E, std=inv)
+            mat(p + "ffn_up.weight", n_ff, E, std=inv)
+            mat(p + "ffn_down.weight", E, n_ff, std=1.0 / math.sqrt(n_ff))
+        if il >= n_layer:   # an MTP block's own tensors (llama.cpp's nextn names)
+            mat(p + "nextn.eh_proj.weight", E, 2 * E, std=inv)
+            vec(p + "nextn.enorm.weight", E, 1.0, 0.1)
+            vec(p + "nextn.hnorm.weight", E, 1.0, 0.1)
+            vec(p + "nextn.shared_head_norm.weight", E, 1.0, 0.1)
+
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16" else gguf.LlamaFileType.ALL_F32))
+    w.add_context_length(ctx_len)
+    w.add_embedding_length(E)
+    w.add_block_count(n_all)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(n_rot)
+    if moe:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        if arch == "qwen35moe":
+            w.add_expert_shared_feed_forward_length(n_ff_shexp)
+    if hybrid:
+        sec = [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6, 0]
+        w.add_array(f"{arch}.rope.dimension_sections", sec)
+        w.add_uint32(f"{arch}.full_attention_interval", full_attention_interval)
+        w.add_uint32(f"{arch}.ssm.conv_kernel", ssm_d_conv)
+        w.add_uint32(f"{arch}.ssm.inner_size", value_dim)
+        w.add_uint32(f"{arch}.ssm.state_size", ssm_d_state)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", ssm_dt_rank)
+        w.add_uint32(f"{arch}.ssm.group_count", ssm_n_group)
+        if nextn_layers:
+            w.add_uint32(f"{arch}.nextn_predict_layers", nextn_layers)
+    _write_tokenizer(w, vocab, n_vocab)
+    for k, v in (extra or {}).items():
+        _add_extra_kv(w, k, v)
+    _write_tensors(w, arrays)
+    return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "recurrent": recr[:n_layer],
+            "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_rot": n_rot}}

@@ -267,6 +267,8 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
         .def("truncate", [](PyRuntime &r, int64_t n) { InUse use(&r.busy); r.session->truncate_cache(n); }, py::arg("n_past"))
         .def_property_readonly("max_rewind", [](PyRuntime &r) { return r.rt->max_rewind(); },
                                "how far back truncate can go from n_past (the sliding-window ring's slack)")
+        .def_property_readonly("checkpoints", [](PyRuntime &r) { return r.rt->checkpoint_positions(); },
+                               "positions of the recurrent state's host checkpoints (chunk boundaries), oldest first")
         .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.session->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();

@@ -179,7 +179,16 @@ void RecurrentState::place(int64_t pos0, int32_t n, int32_t *conv_in, int64_t *c
     end_ = pos0 + n;
 }
 
-RecurrentState::HostCheckpoint RecurrentState::checkpoint() const {
+bool RecurrentState::can_checkpoint(int64_t pos) const {
+    if (pos < 0 || pos > end_ || !holds_ssm(pos - 1)) return false;
+    for (int64_t p = pos - (d_conv_ - 1); p < pos; ++p)
+        if (!holds_conv(p)) return false;
+    return true;
+}
+
+RecurrentState::HostCheckpoint RecurrentState::checkpoint(int64_t pos) const {
+    if (!can_checkpoint(pos)) throw std::logic_error("recurrent state: no state held at position " + std::to_string(pos));
+    const int64_t end_ = pos;   // the rows below read the state at pos
     HostCheckpoint c;
     c.pos = end_;
     c.data.resize(checkpoint_floats());

@@ -143,8 +143,11 @@ public:
         int64_t pos = -1;
         std::vector<float> data;   // per layer: conv rows (d_conv - 1) x channels, then the SSM state
     };
-    // The state at the end now; restore() makes it the state again (positions past it forgotten).
-    HostCheckpoint checkpoint() const;
+    // The state at the end now, or at pos where the rings still hold it (can_checkpoint); restore()
+    // makes it the state again (positions past it forgotten).
+    HostCheckpoint checkpoint() const { return checkpoint(end_); }
+    HostCheckpoint checkpoint(int64_t pos) const;
+    bool can_checkpoint(int64_t pos) const;
     void restore(const HostCheckpoint &c);
     size_t checkpoint_floats() const { return size_t(n_layers()) * (size_t(d_conv_ - 1) * channels_ + state_); }
 

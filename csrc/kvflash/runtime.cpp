@@ -418,6 +418,7 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
         throw;
     }
     n_past_ = pos0 + n;
+    if (recr_) take_checkpoint();
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;
     if (logits_out && g->logits) ggml_backend_tensor_get(g->logits, logits_out, 0, ggml_nbytes(g->logits));
@@ -572,7 +573,51 @@ void Runtime::set_captured(std::vector<float> q, int32_t k) {
     n_captured_ = k;
 }
 
-void Runtime::truncate(int64_t n_past) { truncate_to(n_past, nullptr); }
+void Runtime::truncate(int64_t n_past) {
+    const RecurrentState::HostCheckpoint *ck = nullptr;
+    for (const auto &c : checkpoints_)
+        if (c.pos == n_past) ck = &c;
+    if (ck) {   // copied: truncate_to drops the checkpoints past n_past (not this one, but keep it simple)
+        const RecurrentState::HostCheckpoint keep = *ck;
+        truncate_to(n_past, &keep);
+        return;
+    }
+    truncate_to(n_past, nullptr);
+}
+
+void Runtime::take_checkpoint() {
+    if (cfg_.recurrent_checkpoints <= 0) return;
+    const int64_t C = cfg_.chunk_tokens, c = n_past_ / C * C;
+    if (c <= 0 || (!checkpoints_.empty() && checkpoints_.back().pos >= c) || !recr_->can_checkpoint(c)) return;
+    checkpoints_.push_back(recr_->checkpoint(c));
+    if (checkpoints_.size() <= size_t(cfg_.recurrent_checkpoints)) return;
+    // Over the limit: drop the checkpoint whose neighbours are closest together relative to its age (the
+    // newest and the oldest stay), so the kept ones thin out about geometrically with age and a rewind of
+    // d tokens re-reads O(d) more, whatever d is -- a chat turn's cut (a few tokens back) and a prompt's
+    // settling re-read (a few chunks back) both find one near.
+    size_t drop = 0;
+    double rel = std::numeric_limits<double>::max();
+    const int64_t newest = checkpoints_.back().pos;
+    for (size_t i = 1; i + 1 < checkpoints_.size(); ++i) {
+        const double g = double(checkpoints_[i + 1].pos - checkpoints_[i - 1].pos) /
+                         double(newest - checkpoints_[i].pos + C);
+        if (g < rel) { rel = g; drop = i; }   // ties: the older one
+    }
+    checkpoints_.erase(checkpoints_.begin() + std::ptrdiff_t(drop));
+}
+
+int64_t Runtime::rewind_point(int64_t n) const {
+    if (n <= 0) return 0;
+    auto reaches = [&](int64_t p, const Memory *skip) {
+        for (const Memory *m : memories_)
+            if (m != skip && n_past_ - p > m->max_rewind()) return false;
+        return true;
+    };
+    if (n >= n_past_ || reaches(n, nullptr)) return std::min(n, n_past_);
+    for (auto it = checkpoints_.rbegin(); it != checkpoints_.rend(); ++it)
+        if (it->pos <= n && reaches(it->pos, recr_.get())) return it->pos;
+    return 0;
+}
 
 void Runtime::truncate_to(int64_t n_past, const RecurrentState::HostCheckpoint *ck) {
     if (n_past < 0 || n_past > n_past_)
@@ -585,6 +630,7 @@ void Runtime::truncate_to(int64_t n_past, const RecurrentState::HostCheckpoint *
     for (Memory *m : memories_)
         if (m != restored) m->truncate(n_past);
     if (restored) recr_->restore(*ck);
+    while (!checkpoints_.empty() && checkpoints_.back().pos > n_past) checkpoints_.pop_back();
     if (observer_) observer_->truncated(*this, n_past);
     // Captured queries at positions >= n_past go with the cache; the window keeps its start.
     if (n_captured_ > 0) {
@@ -613,6 +659,7 @@ int64_t Runtime::max_rewind() const {
 
 void Runtime::reset() {
     for (Memory *m : memories_) m->reset();
+    checkpoints_.clear();
     if (observer_) observer_->truncated(*this, 0);
     n_captured_ = 0;
     n_past_ = 0;

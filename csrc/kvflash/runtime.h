@@ -52,6 +52,11 @@ struct RuntimeConfig {
     // Recurrent layers (qwen35): the SSM states kept for rewinds (truncates of up to recurrent_snapshots - 1
     // tokens, exact mode's rejected drafts); each costs one state per recurrent layer.
     int32_t recurrent_snapshots = 8;
+    // ... and host checkpoints of their state at chunk boundaries passed (one a piece at most), thinned
+    // out with age (the newest dense, older ones further apart), so a rewind past the snapshots (a
+    // prompt's settling re-read, a chat's next turn) reads again from a checkpoint near the cut instead
+    // of from the start.  Each costs the recurrent layers' whole state in host RAM.
+    int32_t recurrent_checkpoints = 8;
 };
 
 struct RuntimeStats {
@@ -116,6 +121,16 @@ public:
     void truncate(int64_t n_past);
     // How far back truncate can go from n_past() (the sliding-window ring's slack; no limit without one).
     int64_t max_rewind() const;
+    // The largest position <= n a truncate reaches: n when every memory rewinds that far, else the
+    // nearest recurrent checkpoint below it the other memories reach, else 0.  The caller reads the
+    // tokens from there to n again.
+    int64_t rewind_point(int64_t n) const;
+    // Where the recurrent state's host checkpoints are (oldest first; none without recurrent layers).
+    std::vector<int64_t> checkpoint_positions() const {
+        std::vector<int64_t> p;
+        for (const auto &c : checkpoints_) p.push_back(c.pos);
+        return p;
+    }
     void reset();
     // The one observer (nullptr: none); it lives as long as the runtime holds it.
     void set_observer(std::shared_ptr<CacheObserver> obs) { observer_ = std::move(obs); }
@@ -130,8 +145,9 @@ public:
     size_t swa_bytes() const;         // sliding-window ring bytes (not paged)
     // The memories (memory.h): the paged KV first, then the sliding-window ring when the model has one.
     const std::vector<Memory *> &memories() const { return memories_; }
-    RecurrentState *recurrent() { return recr_.get(); }
-    const RecurrentState *recurrent() const { return recr_.get(); }
+    RecurrentState *recurrent_state() { return recr_.get(); }
+    const RecurrentState *recurrent_state() const { return recr_.get(); }
+    bool recurrent() const { return recr_ != nullptr; }
     SlidingRing *ring() { return ring_.get(); }
     const SlidingRing *ring() const { return ring_.get(); }
     const RuntimeStats &stats() const { return stats_; }
@@ -196,6 +212,8 @@ private:
     std::unique_ptr<SlidingRing> ring_;   // the sliding-window layers' ring (gemma3), or none
     std::unique_ptr<RecurrentState> recr_;   // the recurrent layers' state (qwen35), or none
     std::vector<int32_t> recr_index_;     // model layer -> recurrent layer (-1: not one)
+    std::vector<RecurrentState::HostCheckpoint> checkpoints_;   // at chunk boundaries, oldest first
+    void take_checkpoint();               // after a piece: the last chunk boundary the rings still hold
     std::vector<Memory *> memories_;      // each of the above that exists: truncate and reset ask them all
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
     std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;

@@ -235,9 +235,13 @@ void Session::settle_prompt(const int32_t *ids, int32_t n) {
     since_rescore_ = 0;
     if (rescore() > 0 && !exact_prefill()) {
         const int32_t k = std::max(1, std::min(n, cfg_.reeval_tokens));
-        rt_->truncate(rt_->n_past() - k);
+        // a recurrent state rewinds to its nearest checkpoint: the tokens from there are read again
+        const int64_t end = rt_->n_past(), p = rt_->recurrent() ? rt_->rewind_point(end - k) : end - k;
+        const std::vector<int32_t> again(tokens_.begin() + p, tokens_.begin() + end);
+        (void)ids;
+        rt_->truncate(p);
         tokens_.resize(size_t(rt_->n_past()));
-        eval_logits(ids + (n - k), k, false);
+        eval_logits(again.data(), int32_t(again.size()), false);
     }
 }
 
@@ -278,6 +282,8 @@ int64_t Session::continue_to(const int32_t *ids, int32_t n, const ProgressFn &pr
             cuts.insert(cuts.begin(), std::max<int64_t>(0, n - n_capture()));
         bool cut = false;
         for (int64_t c : cuts) {
+            if (rt_->recurrent()) c = rt_->rewind_point(c);   // its nearest checkpoint at or before c
+            if (c == 0 && rt_->recurrent()) continue;
             try {
                 rt_->truncate(c);
             } catch (const std::invalid_argument &) {   // the sliding-window ring does not reach back to c
@@ -318,6 +324,14 @@ void Session::truncate_(int64_t n) {
     // as the full cache does (one-token arithmetic: the cache keeps the full cache's bits), and
     // keeps the window's earlier queries that survive the cut.
     int64_t k = scored() && !exact() ? std::min<int64_t>(n, n_capture()) : 1;
+    // a recurrent state rewinds to its nearest checkpoint: the tokens from there are read again
+    if (rt_->recurrent()) k = n - rt_->rewind_point(n - k);
+    if (k >= n && rt_->recurrent()) {   // nothing to rewind to: the whole prefix again
+        const std::vector<int32_t> all(tokens_.begin(), tokens_.begin() + n);
+        reset_();
+        prefill(all.data(), int32_t(all.size()));
+        return;
+    }
     const std::vector<int32_t> kept(tokens_.begin() + (n - k), tokens_.begin() + n);
     try {
         try {

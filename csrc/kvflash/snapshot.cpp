@@ -646,6 +646,10 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         throw std::invalid_argument("snapshot: the token history has " + std::to_string(s.tokens.size()) +
                                     " tokens, the cache " + std::to_string(rt.n_past()));
     if (path.empty()) throw std::invalid_argument("snapshot: an empty path");
+    if (rt.recurrent())
+        throw std::invalid_argument("snapshot: " + rt.model().hparams().arch + " has recurrent layers, whose state "
+                                    "snapshots do not carry yet; save is refused rather than writing a file that "
+                                    "cannot restore it");
     if (s.app.size() > kSnapshotMaxAppBytes)
         throw std::invalid_argument("snapshot: the caller's state is " + std::to_string(s.app.size()) +
                                     " bytes; a snapshot holds at most " + std::to_string(kSnapshotMaxAppBytes));
@@ -813,6 +817,9 @@ SnapshotPeek Snapshot::peek(const std::string &path, const Runtime *fit, const C
 
 Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const ChunkSummaries *summaries,
                         uint64_t max_bytes) {
+    if (fit && fit->recurrent())
+        throw std::invalid_argument("snapshot: " + fit->model().hparams().arch + " has recurrent layers, whose state "
+                                    "snapshots do not carry yet: restore is refused");
     const std::string where = "snapshot " + path;
     auto body = std::make_shared<Body>();
     Body &B = *body;
