@@ -581,19 +581,20 @@ def write_tiny_hybrid(
         w.add_expert_feed_forward_length(n_ff_exp)
         if arch == "qwen35moe":
             w.add_expert_shared_feed_forward_length(n_ff_shexp)
+    meta: dict[str, Any] = {}
     if hybrid:
-        sec = [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6, 0]
-        w.add_array(f"{arch}.rope.dimension_sections", sec)
-        w.add_uint32(f"{arch}.full_attention_interval", full_attention_interval)
-        w.add_uint32(f"{arch}.ssm.conv_kernel", ssm_d_conv)
-        w.add_uint32(f"{arch}.ssm.inner_size", value_dim)
-        w.add_uint32(f"{arch}.ssm.state_size", ssm_d_state)
-        w.add_uint32(f"{arch}.ssm.time_step_rank", ssm_dt_rank)
-        w.add_uint32(f"{arch}.ssm.group_count", ssm_n_group)
+        meta[f"{arch}.rope.dimension_sections"] = [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6, 0]
+        meta[f"{arch}.full_attention_interval"] = full_attention_interval
+        meta[f"{arch}.ssm.conv_kernel"] = ssm_d_conv
+        meta[f"{arch}.ssm.inner_size"] = value_dim
+        meta[f"{arch}.ssm.state_size"] = ssm_d_state
+        meta[f"{arch}.ssm.time_step_rank"] = ssm_dt_rank
+        meta[f"{arch}.ssm.group_count"] = ssm_n_group
         if nextn_layers:
-            w.add_uint32(f"{arch}.nextn_predict_layers", nextn_layers)
+            meta[f"{arch}.nextn_predict_layers"] = nextn_layers
+    meta.update(extra or {})   # extra: more keys, or other values for these (a mistaken or hostile file)
     _write_tokenizer(w, vocab, n_vocab)
-    for k, v in (extra or {}).items():
+    for k, v in meta.items():
         _add_extra_kv(w, k, v)
     _write_tensors(w, arrays)
     return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "recurrent": recr[:n_layer],
