@@ -16,12 +16,18 @@
    turn re-reads from a checkpoint, not from the start.
 4. Exact mode over a pool far smaller than the prompt: the full cache's greedy tokens and logits, bit
    for bit (the state rolled back to the kept token after each verification; MoE under one-row products).
-5. Bad files and what is not supported yet (snapshots of a recurrent state) are clear errors.
+5. Bad files are clear errors.
+6. Snapshots carry the recurrent state and its host checkpoints (format version 3): a round trip
+   mid-decode continues bit for bit, a truncate after a load re-reads from a restored checkpoint, a
+   version 2 file still loads where there is no recurrent state and is refused, saying why, where
+   there is one; a RECR section that disagrees with its header is refused.
 """
 from __future__ import annotations
 
 import os
+import struct
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -208,14 +214,6 @@ def test_pool_smaller_than_the_prompt_runs(models):
 
 
 # --------------------------------------------------------------------------- 5. errors
-def test_snapshots_refuse_a_recurrent_state(models, tmp_path):
-    s = _session(models["qwen35"]["path"])
-    s.prefill(_ids(50, seed=11).tolist())
-    with pytest.raises(ValueError, match="recurrent"):
-        s.save(tmp_path / "s.kvf")
-    assert not (tmp_path / "s.kvf").exists()
-
-
 @pytest.mark.parametrize("extra,match", [
     ({"qwen35.ssm.state_size": 0}, "state_size"),
     ({"qwen35.ssm.time_step_rank": 3}, "time_step_rank|inner_size"),
@@ -239,3 +237,117 @@ def test_moe_snapshot_round_trip_mid_decode(models, tmp_path):
     got = "".join(r.generate(None, max_tokens=20, ignore_eos=True))
     assert got == want and r.tokens == s.tokens
     assert np.array_equal(r.logits(), s.logits())
+
+
+# --------------------------------------------------------------------------- 6. snapshots of the state
+def _sections(path):
+    b = open(path, "rb").read()
+    assert b[:8] == b"KVFLSNAP"
+    ver, n = struct.unpack_from("<II", b, 8)
+    at, out = 16, []
+    for _ in range(n):
+        tag = b[at:at + 4]
+        _, ln = struct.unpack_from("<IQ", b, at + 4)
+        out.append([tag, b[at + 16:at + 16 + ln]])
+        at += 16 + ln
+    return ver, out
+
+
+def _write_sections(path, ver, secs):
+    o = bytearray(b"KVFLSNAP" + struct.pack("<II", ver, len(secs)))
+    for tag, p in secs:
+        o += tag + struct.pack("<IQ", zlib.crc32(p), len(p)) + p
+    open(path, "wb").write(bytes(o))
+
+
+def _as_version_2(src, dst):
+    """What kvflash before format 3 wrote: no RECR section, HEAD without its last three fields."""
+    ver, secs = _sections(src)
+    assert ver == core.SNAPSHOT_VERSION == 3 and secs[-1][0] == b"RECR"
+    secs = secs[:-1]
+    secs[0][1] = secs[0][1][:-16]     # i32 recurrent layers, u64 state floats, i32 checkpoints
+    _write_sections(dst, 2, secs)
+
+
+@pytest.mark.parametrize("pool", [None, 256], ids=["full", "pool256"])
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_snapshot_round_trip_mid_decode(models, tmp_path, arch, pool):
+    path = models[arch]["path"]
+    s = _session(path, pool)
+    "".join(s.generate(_ids(700, seed=12).tolist(), max_tokens=10, ignore_eos=True))
+    cks = s.runtime.checkpoints
+    assert len(cks) >= 2
+    s.save(tmp_path / "h.kvf")
+    want = "".join(s.generate(None, max_tokens=20, ignore_eos=True))
+    r = kvflash.Session.load(tmp_path / "h.kvf", path, threads=2)
+    assert r.runtime.checkpoints == cks
+    got = "".join(r.generate(None, max_tokens=20, ignore_eos=True))
+    assert got == want and r.tokens == s.tokens
+    assert np.array_equal(r.logits(), s.logits())
+    if pool:
+        assert r.pager.stats["host_chunks"] > 0
+
+
+def test_a_truncate_after_a_load_rereads_from_a_restored_checkpoint(models, tmp_path):
+    path = models["qwen35"]["path"]
+    s = _session(path, 256)
+    "".join(s.generate(_ids(700, seed=13).tolist(), max_tokens=10, ignore_eos=True))
+    s.save(tmp_path / "t.kvf")
+    r = kvflash.Session.load(tmp_path / "t.kvf", path, threads=2)
+    n = len(s.tokens) - 40            # past the SSM snapshots: only a host checkpoint reaches it
+    assert n - max(c for c in s.runtime.checkpoints if c <= n) > 0
+    for x in (s, r):
+        t0 = x.runtime.timings["tokens"]
+        x.truncate(n)
+        assert x.runtime.timings["tokens"] - t0 <= 64 + 16   # from the checkpoint, not from the start
+    assert r.tokens == s.tokens and np.array_equal(r.logits(), s.logits())
+    a = "".join(s.generate(None, max_tokens=12, ignore_eos=True))
+    assert "".join(r.generate(None, max_tokens=12, ignore_eos=True)) == a
+
+
+def test_version_2_files(models, tmp_path):
+    # without a recurrent state a version 2 file loads as it always did
+    moe = models["qwen3moe"]["path"]
+    s = _session(moe, 256)
+    "".join(s.generate(_ids(500, seed=14).tolist(), max_tokens=5, ignore_eos=True))
+    s.save(tmp_path / "m3.kvf")
+    _as_version_2(tmp_path / "m3.kvf", tmp_path / "m2.kvf")
+    want = "".join(s.generate(None, max_tokens=10, ignore_eos=True))
+    r = kvflash.Session.load(tmp_path / "m2.kvf", moe, threads=2)
+    assert "".join(r.generate(None, max_tokens=10, ignore_eos=True)) == want
+    # with one it is refused, saying why, and the session is as it was
+    hyb = models["qwen35"]["path"]
+    h = _session(hyb)
+    h.prefill(_ids(300, seed=15).tolist())
+    h.save(tmp_path / "h3.kvf")
+    _as_version_2(tmp_path / "h3.kvf", tmp_path / "h2.kvf")
+    with pytest.raises(ValueError, match="format version 2.*recurrent"):
+        kvflash.Session.load(tmp_path / "h2.kvf", hyb, threads=2)
+    h.prefill(_ids(20, seed=16).tolist())
+    before, logits = list(h.tokens), h.logits().copy()
+    with pytest.raises(ValueError, match="format version 2.*recurrent"):
+        h.restore(tmp_path / "h2.kvf")
+    assert h.tokens == before and np.array_equal(h.logits(), logits)
+    h.restore(tmp_path / "h3.kvf")
+    assert len(h.tokens) == 300
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda p, f: struct.pack("<I", 0) + p[4:], "0 states"),
+    (lambda p, f: struct.pack("<I", 10 ** 6) + p[4:], "states for"),
+    (lambda p, f: p[:-(8 + 4 * f)] + struct.pack("<q", 5) + p[-(4 * f):], "position 5"),
+    (lambda p, f: p[:-4] + struct.pack("<f", float("nan")), "not finite"),
+    (lambda p, f: p[:-4], "ends early|bytes past"),
+])
+def test_bad_recurrent_sections(models, tmp_path, edit, match):
+    path = models["qwen35"]["path"]
+    s = _session(path)
+    s.prefill(_ids(300, seed=17).tolist())
+    s.save(tmp_path / "g.kvf")
+    ver, secs = _sections(tmp_path / "g.kvf")
+    floats = struct.unpack_from("<q", secs[0][1], len(secs[0][1]) - 12)[0]
+    assert secs[-1][0] == b"RECR" and floats > 0
+    secs[-1][1] = edit(secs[-1][1], floats)
+    _write_sections(tmp_path / "bad.kvf", ver, secs)
+    with pytest.raises(ValueError, match=match):
+        kvflash.Session.load(tmp_path / "bad.kvf", path, threads=2)

@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 from tinygguf import write_tiny_model  # noqa: E402
 
 MAX_CTX, POOL, PROMPT = 2048, 512, 1200   # the prompt is above the pool: chunks live on the host
-TAGS = ("HEAD", "PAGR", "POOL", "HOST", "RING", "QCAP", "SUMM", "TOKS", "LOGT", "SAMP", "APPS")
+TAGS = ("HEAD", "PAGR", "POOL", "HOST", "RING", "QCAP", "SUMM", "TOKS", "LOGT", "SAMP", "APPS", "RECR")
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +298,15 @@ def test_future_version_and_foreign_files_are_refused(models, saved, tmp_path):
     struct.pack_into("<I", data, 8, core.SNAPSHOT_VERSION + 1)
     p = tmp_path / "future.kvsnap"
     p.write_bytes(bytes(data))
-    _refused(target, p, f"format version {core.SNAPSHOT_VERSION + 1}; this kvflash reads version "
+    _refused(target, p, f"format version {core.SNAPSHOT_VERSION + 1}; this kvflash reads versions 2 to "
                         f"{core.SNAPSHOT_VERSION}")
+    struct.pack_into("<I", data, 8, 1)   # version 1: another fingerprint, refused
+    p.write_bytes(bytes(data))
+    _refused(target, p, "format version 1; this kvflash reads versions 2 to")
+    data = bytearray(saved["data"])
+    struct.pack_into("<I", data, 8, 2)   # version 2 has eleven sections
+    p.write_bytes(bytes(data))
+    _refused(target, p, "has 12 sections; format version 2 has 11")
     p = tmp_path / "gguf.kvsnap"
     p.write_bytes(open(models["llama"], "rb").read())
     _refused(target, p, "not a kvflash snapshot")

@@ -86,12 +86,13 @@ def _write(tmp_path, name, data: bytes):
 def test_the_file_records_its_format_and_the_kvflash_that_wrote_it(saved):
     import kvflash
     data = saved["data"]
-    assert struct.unpack_from("<I", data, 8)[0] == core.SNAPSHOT_VERSION == 2
+    assert struct.unpack_from("<I", data, 8)[0] == core.SNAPSHOT_VERSION == 3
     snap = core.Snapshot.read(str(saved["path"]))
     assert snap.header["kvflash_version"] == kvflash.__version__
     head, app = core.Snapshot.peek(str(saved["path"]))
     assert head == snap.header and app == snap.app
     assert head["n_vocab"] > 0 and head["query_floats"] > 0 and head["summary_floats"] > 0
+    assert head["version"] == 3 and head["recurrent_layers"] == 0 and head["recurrent_floats"] == 0
 
 
 def test_an_older_format_version_is_refused_naming_both_versions(models, saved, tmp_path):
@@ -99,9 +100,9 @@ def test_an_older_format_version_is_refused_naming_both_versions(models, saved, 
     struct.pack_into("<I", data, 8, 1)
     p = _write(tmp_path, "v1.kvsnap", bytes(data))
     target = _Target(models["llama"])
-    _refused(target, p, r"format version 1; this kvflash reads version 2 \(it is kvflash 0\.1\.0; an older kvflash "
+    _refused(target, p, r"format version 1; this kvflash reads versions 2 to 3 \(it is kvflash 0\.1\.0; an older kvflash "
                         r"wrote the file")
-    with pytest.raises(core.SnapshotError, match="format version 1; this kvflash reads version 2"):
+    with pytest.raises(core.SnapshotError, match="format version 1; this kvflash reads versions 2 to 3"):
         _load(p, models["llama"])
     target.still_works()
 
@@ -126,8 +127,8 @@ def test_the_structure_and_header_are_checked_before_the_file_is_allocated(model
     # file before checking it gets MemoryError; these must be refused, by what is wrong with them, first.
     big = 8 << 30
     data = saved["data"]
-    at, n = _sections(data)["APPS"]
-    # A consistent section table whose last section (APPS) claims 8 GiB more than it held.
+    at, n = _sections(data)["RECR"]
+    # A consistent section table whose last section (RECR) claims 8 GiB more than it held.
     grown = data[:at - 8] + struct.pack("<Q", n + big) + data[at:]
     files = {
         "junk": _sparse(tmp_path, "junk.kvsnap", b"not a snapshot", big),
@@ -169,11 +170,11 @@ def test_the_structure_and_header_are_checked_before_the_file_is_allocated(model
     for how in ("restore", "read", "load", "peek"):
         assert "not a kvflash snapshot" in got["junk/" + how]
         assert f"{big} bytes after its last section" in got["tail/" + how]
-        assert "is truncated: section APPS holds 4611686018427387904 bytes" in got["claims/" + how]
+        assert "is truncated: section RECR holds 4611686018427387904 bytes" in got["claims/" + how]
     # the grown file: refused by the session's geometry (restore), by what its header allows a section
     assert "bytes: more than the largest snapshot of this session's geometry" in got["grown/restore"]
     for how in ("read", "load", "peek"):
-        assert "section APPS holds" in got["grown/" + how] and "allows at most 16777216" in got["grown/" + how]
+        assert "section RECR holds" in got["grown/" + how] and "allows at most 12" in got["grown/" + how]
 
 
 def test_a_file_over_the_callers_cap_or_the_geometry_is_refused_naming_the_cap(models, saved, tmp_path):

@@ -21,6 +21,8 @@ py::dict header_dict(const SnapshotHeader &h) {
     d["row_bytes_k"] = h.row_bytes_k; d["row_bytes_v"] = h.row_bytes_v;
     d["kvflash_version"] = h.kvflash_version; d["n_vocab"] = h.n_vocab; d["query_floats"] = h.query_floats;
     d["summary_floats"] = h.summary_floats; d["ring_bytes_k"] = h.ring_bytes_k; d["ring_bytes_v"] = h.ring_bytes_v;
+    d["version"] = h.version; d["recurrent_layers"] = h.recurrent_layers; d["recurrent_floats"] = h.recurrent_floats;
+    d["recurrent_checkpoints"] = h.recurrent_checkpoints;
     return d;
 }
 

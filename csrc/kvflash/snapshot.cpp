@@ -29,10 +29,12 @@ namespace kvflash {
 namespace {
 
 constexpr char kMagic[8] = {'K', 'V', 'F', 'L', 'S', 'N', 'A', 'P'};
-constexpr int kSections = 11;
+constexpr int kSections = 12;
 constexpr const char *kTags[kSections] = {"HEAD", "PAGR", "POOL", "HOST", "RING", "QCAP",
-                                          "SUMM", "TOKS", "LOGT", "SAMP", "APPS"};
-enum { HEAD, PAGR, POOL, HOST, RING, QCAP, SUMM, TOKS, LOGT, SAMP, APPS };
+                                          "SUMM", "TOKS", "LOGT", "SAMP", "APPS", "RECR"};
+enum { HEAD, PAGR, POOL, HOST, RING, QCAP, SUMM, TOKS, LOGT, SAMP, APPS, RECR };
+// A format's sections are a prefix of kTags: version 2 ends at APPS.
+int sections_of(uint32_t version) { return version >= 3 ? kSections : RECR; }
 constexpr size_t kPreamble = 16, kSectionHeader = 16;
 
 std::string os_error(const std::string &what, int e) { return "snapshot: " + what + ": " + std::strerror(e); }
@@ -291,13 +293,17 @@ Buf head_payload(const SnapshotHeader &h) {
     for (size_t i = 0; i < h.ring_bytes_k.size(); ++i) {
         b.put(h.ring_bytes_k[i]); b.put(h.ring_bytes_v[i]);
     }
+    if (h.version >= 3) {
+        b.put(h.recurrent_layers); b.put(h.recurrent_floats); b.put(h.recurrent_checkpoints);
+    }
     return b;
 }
 
 // HEAD parsed, and every field held to its range and to the others (a header that passes
 // names sizes that fit 64 bits; section_limits computes with them).
-SnapshotHeader parse_head(Cursor c) {
+SnapshotHeader parse_head(Cursor c, uint32_t version) {
     SnapshotHeader h;
+    h.version = version;
     h.fingerprint = c.get<uint64_t>();
     h.model_bytes = c.get<uint64_t>();
     h.kvflash_version = c.str(64);
@@ -327,6 +333,11 @@ SnapshotHeader parse_head(Cursor c) {
         h.ring_bytes_k.push_back(c.get<uint64_t>());
         h.ring_bytes_v.push_back(c.get<uint64_t>());
     }
+    if (version >= 3) {
+        h.recurrent_layers = c.get<int32_t>();
+        h.recurrent_floats = c.get<uint64_t>();
+        h.recurrent_checkpoints = c.get<int32_t>();
+    }
     c.done();
     if (h.chunk_tokens <= 0 || h.chunk_tokens > 4096) c.bad("chunk_tokens " + std::to_string(h.chunk_tokens));
     if (h.pool_tokens <= 0 || h.pool_tokens % h.chunk_tokens != 0) c.bad("pool_tokens " + std::to_string(h.pool_tokens));
@@ -352,6 +363,12 @@ SnapshotHeader parse_head(Cursor c) {
     if (row * uint64_t(h.chunk_tokens) != h.chunk_bytes) c.bad("chunk_bytes disagrees with its row sizes");
     for (uint32_t i = 0; i < nr; ++i)
         if (h.ring_bytes_k[i] > kMaxRingBytes || h.ring_bytes_v[i] > kMaxRingBytes) c.bad("a ring layer over 2^40 bytes");
+    if (h.recurrent_layers < 0 || h.recurrent_layers > h.n_layer)
+        c.bad(std::to_string(h.recurrent_layers) + " recurrent layers");
+    if ((h.recurrent_layers == 0) != (h.recurrent_floats == 0) || h.recurrent_floats > (uint64_t(1) << 36))
+        c.bad("a recurrent state of " + std::to_string(h.recurrent_floats) + " floats");
+    if (h.recurrent_checkpoints < 0 || h.recurrent_checkpoints > 4096)
+        c.bad(std::to_string(h.recurrent_checkpoints) + " recurrent checkpoints");
     return h;
 }
 
@@ -380,6 +397,10 @@ Limits section_limits(const SnapshotHeader &h, int64_t n_past) {
     m[LOGT] = 8 + u128(h.n_vocab) * 4;
     m[SAMP] = 4 + kSnapshotMaxSamplerBytes;
     m[APPS] = kSnapshotMaxAppBytes;
+    // the host checkpoints and the state at n_past, each a position and the state's floats
+    m[RECR] = h.version >= 3 ? 4 + (u128(h.recurrent_layers ? h.recurrent_checkpoints : 0) + 1) *
+                                       (8 + u128(h.recurrent_floats) * 4)
+                             : 0;
     Limits l;
     for (int i = 0; i < kSections; ++i) {
         if (m[i] > (u128(1) << 62))
@@ -393,7 +414,7 @@ Limits section_limits(const SnapshotHeader &h, int64_t n_past) {
 // Every section's length within what the header allows (before any of them is read).
 void check_limits(const SnapshotHeader &h, const uint64_t *len, const std::string &where) {
     const Limits l = section_limits(h, h.n_past);
-    for (int i = 0; i < kSections; ++i) {
+    for (int i = 0; i < sections_of(h.version); ++i) {
         const bool exact = i == TOKS;
         if (exact ? len[i] != l.max[i] : len[i] > l.max[i])
             throw SnapshotError(where + ": section " + kTags[i] + " holds " + std::to_string(len[i]) + " bytes; its header's "
@@ -405,6 +426,8 @@ void check_limits(const SnapshotHeader &h, const uint64_t *len, const std::strin
 struct Table {
     uint64_t size = 0, off[kSections] = {}, len[kSections] = {};
     uint32_t crc[kSections] = {};
+    uint32_t version = 0;
+    int n_sec = 0;
 };
 
 Table scan(int fd, uint64_t size, const std::string &where) {
@@ -423,18 +446,22 @@ Table scan(int fd, uint64_t size, const std::string &where) {
     uint32_t version = 0, n_sec = 0;
     std::memcpy(&version, pre + 8, 4);
     std::memcpy(&n_sec, pre + 12, 4);
-    if (version != kSnapshotVersion)
-        throw SnapshotError(where + " has format version " + std::to_string(version) + "; this kvflash reads version " +
-                            std::to_string(kSnapshotVersion) + " (it is kvflash " KVFLASH_VERSION_STRING "; " +
-                            (version < kSnapshotVersion
+    if (version < kSnapshotOldestVersion || version > kSnapshotVersion)
+        throw SnapshotError(where + " has format version " + std::to_string(version) + "; this kvflash reads versions " +
+                            std::to_string(kSnapshotOldestVersion) + " to " + std::to_string(kSnapshotVersion) +
+                            " (it is kvflash " KVFLASH_VERSION_STRING "; " +
+                            (version < kSnapshotOldestVersion
                                  ? std::string("an older kvflash wrote the file, with another model fingerprint: take "
                                                "the snapshot again with this one)")
                                  : std::string("a newer kvflash wrote the file)")));
-    if (n_sec != uint32_t(kSections))
+    const int want_sec = sections_of(version);
+    if (n_sec != uint32_t(want_sec))
         throw SnapshotError(where + " has " + std::to_string(n_sec) + " sections; format version " +
-                            std::to_string(kSnapshotVersion) + " has " + std::to_string(kSections));
+                            std::to_string(version) + " has " + std::to_string(want_sec));
+    t.version = version;
+    t.n_sec = want_sec;
     uint64_t at = kPreamble;
-    for (int i = 0; i < kSections; ++i) {
+    for (int i = 0; i < want_sec; ++i) {
         uint8_t sh[kSectionHeader];
         if (size - at < kSectionHeader)
             throw SnapshotError(where + " is truncated: it ends at byte " + std::to_string(size) + ", before section " +
@@ -527,6 +554,13 @@ void compare_headers(const SnapshotHeader &h, const SnapshotHeader &want, const 
         num("a ring layer's K bytes", int64_t(h.ring_bytes_k[i]), int64_t(want.ring_bytes_k[i]));
         num("a ring layer's V bytes", int64_t(h.ring_bytes_v[i]), int64_t(want.ring_bytes_v[i]));
     }
+    if (h.recurrent_layers != want.recurrent_layers && h.version < 3)
+        throw SnapshotError("snapshot does not fit this session: the file is format version " + std::to_string(h.version) +
+                            ", which does not carry a recurrent state, and this model has " +
+                            std::to_string(want.recurrent_layers) + " recurrent layers: take the snapshot again with "
+                            "this kvflash");
+    num("the recurrent layers", h.recurrent_layers, want.recurrent_layers);
+    num("the recurrent state's size (floats)", int64_t(h.recurrent_floats), int64_t(want.recurrent_floats));
     num("the vocabulary (n_vocab)", h.n_vocab, want.n_vocab);
     num("a captured query's size", int64_t(h.query_floats), int64_t(want.query_floats));
     num("a chunk summary's size", int64_t(h.summary_floats), int64_t(want.summary_floats));
@@ -593,6 +627,8 @@ struct Snapshot::Body {
     uint8_t has_summ = 0;
     std::vector<uint8_t> ready;
     std::vector<float> smin, smax, smean;
+    // RECR: the host checkpoints (ascending), then the state at n_past; none without recurrent layers
+    std::vector<RecurrentState::HostCheckpoint> recr;
 };
 
 SnapshotHeader Snapshot::header_of(const Runtime &rt, const ChunkSummaries *summaries) {
@@ -630,13 +666,19 @@ SnapshotHeader Snapshot::header_of(const Runtime &rt, const ChunkSummaries *summ
         h.ring_bytes_k.push_back(ggml_nbytes(rt.ring()->k(int32_t(i))));
         h.ring_bytes_v.push_back(ggml_nbytes(rt.ring()->v(int32_t(i))));
     }
+    if (const RecurrentState *r = rt.recurrent_state()) {
+        h.recurrent_layers = r->n_layers();
+        h.recurrent_floats = r->checkpoint_floats();
+        h.recurrent_checkpoints = std::max<int32_t>(0, c.recurrent_checkpoints);
+    }
     return h;
 }
 
 uint64_t Snapshot::max_file_bytes(const SnapshotHeader &h) {
     const Limits l = section_limits(h, h.max_ctx);
-    uint64_t n = kPreamble + kSections * kSectionHeader;
-    for (int i = 0; i < kSections; ++i) n += l.max[i];  // each < 2^62: no overflow
+    const int n_sec = sections_of(h.version);
+    uint64_t n = kPreamble + uint64_t(n_sec) * kSectionHeader;
+    for (int i = 0; i < n_sec; ++i) n += l.max[i];  // each < 2^62: no overflow
     return n;
 }
 
@@ -646,10 +688,6 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         throw std::invalid_argument("snapshot: the token history has " + std::to_string(s.tokens.size()) +
                                     " tokens, the cache " + std::to_string(rt.n_past()));
     if (path.empty()) throw std::invalid_argument("snapshot: an empty path");
-    if (rt.recurrent())
-        throw std::invalid_argument("snapshot: " + rt.model().hparams().arch + " has recurrent layers, whose state "
-                                    "snapshots do not carry yet; save is refused rather than writing a file that "
-                                    "cannot restore it");
     if (s.app.size() > kSnapshotMaxAppBytes)
         throw std::invalid_argument("snapshot: the caller's state is " + std::to_string(s.app.size()) +
                                     " bytes; a snapshot holds at most " + std::to_string(kSnapshotMaxAppBytes));
@@ -745,6 +783,20 @@ void Snapshot::save(const Runtime &rt, const ChunkSummaries *summaries, const Sn
         b = Buf(); b.str(sampler_state); out.section(SAMP, b);
         b = Buf(); b.bytes(s.app.data(), s.app.size()); out.section(APPS, b);
 
+        out.begin(RECR);   // the host checkpoints the runtime keeps, then the state at n_past
+        const RecurrentState *r = rt.recurrent_state();
+        const uint32_t nr = r ? uint32_t(rt.checkpoints_.size() + 1) : 0;
+        out.put(&nr, sizeof nr);
+        if (r) {
+            auto put_ck = [&](const RecurrentState::HostCheckpoint &ck) {
+                out.put(&ck.pos, sizeof ck.pos);
+                out.put(ck.data.data(), ck.data.size() * sizeof(float));
+            };
+            for (const auto &ck : rt.checkpoints_) put_ck(ck);
+            put_ck(r->checkpoint());
+        }
+        out.end();
+
         if (::fsync(fd) != 0) throw std::runtime_error(os_error("cannot sync " + tmp, errno));
         fd_open = false;
         if (::close(fd) != 0) throw std::runtime_error(os_error("cannot close " + tmp, errno));
@@ -794,7 +846,7 @@ Opened open_checked(int fd, uint64_t size, const std::string &where, const Runti
     }
     if (cap > 0 && size > cap) throw SnapshotError(where + " is " + std::to_string(size) + " bytes: more than " + cap_is);
     const std::vector<uint8_t> head = read_section(fd, o.t, HEAD, where);
-    o.head = parse_head(Cursor{head.data(), head.size(), 0, kTags[HEAD], &where});
+    o.head = parse_head(Cursor{head.data(), head.size(), 0, kTags[HEAD], &where}, o.t.version);
     check_limits(o.head, o.t.len, where);
     return o;
 }
@@ -817,16 +869,15 @@ SnapshotPeek Snapshot::peek(const std::string &path, const Runtime *fit, const C
 
 Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const ChunkSummaries *summaries,
                         uint64_t max_bytes) {
-    if (fit && fit->recurrent())
-        throw std::invalid_argument("snapshot: " + fit->model().hparams().arch + " has recurrent layers, whose state "
-                                    "snapshots do not carry yet: restore is refused");
     const std::string where = "snapshot " + path;
     auto body = std::make_shared<Body>();
     Body &B = *body;
+    uint32_t first_version = 0;
     {
         uint64_t size = 0;
         const Fd f(open_snapshot(path, &size));
         const Opened o = open_checked(f.fd, size, where, fit, summaries, max_bytes);
+        first_version = o.t.version;
         if (fit) compare_headers(o.head, header_of(*fit, summaries), fit->model().path());
         // Everything below is checked again on the bytes read: the file may have changed since.
         B.file.resize(size_t(size));
@@ -842,12 +893,13 @@ Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const Chunk
     uint32_t version = 0, n_sec = 0;
     std::memcpy(&version, f.data() + 8, 4);
     std::memcpy(&n_sec, f.data() + 12, 4);
-    if (version != kSnapshotVersion || n_sec != uint32_t(kSections))
+    if (version != first_version || n_sec != uint32_t(sections_of(version)))
         throw SnapshotError(where + " changed while it was read");
+    const int N = int(n_sec);
     size_t at = kPreamble;
-    size_t off[kSections], len[kSections];
-    uint64_t len64[kSections];
-    for (int i = 0; i < kSections; ++i) {
+    size_t off[kSections] = {}, len[kSections] = {};
+    uint64_t len64[kSections] = {};
+    for (int i = 0; i < N; ++i) {
         if (f.size() - at < kSectionHeader)
             throw SnapshotError(where + " is truncated: it ends at byte " + std::to_string(f.size()) + ", before section " +
                                 kTags[i]);
@@ -874,7 +926,7 @@ Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const Chunk
 
     Snapshot s;
     SnapshotHeader &h = s.head_;
-    h = parse_head(cur(HEAD));
+    h = parse_head(cur(HEAD), version);
     check_limits(h, len64, where);
     if (fit) compare_headers(h, header_of(*fit, summaries), fit->model().path());
     const int32_t C = h.chunk_tokens;
@@ -1038,6 +1090,28 @@ Snapshot Snapshot::read(const std::string &path, const Runtime *fit, const Chunk
         }
     }
     s.sess_.app.assign(reinterpret_cast<const char *>(f.data() + off[APPS]), len[APPS]);
+    if (N > RECR) {
+        Cursor c = cur(RECR);
+        const uint32_t n = c.get<uint32_t>();
+        if (h.recurrent_layers == 0 ? n != 0 : n < 1 || n > uint32_t(h.recurrent_checkpoints) + 1)
+            c.bad(std::to_string(n) + " states for " + std::to_string(h.recurrent_layers) + " recurrent layers and " +
+                  std::to_string(h.recurrent_checkpoints) + " checkpoints");
+        const size_t floats = size_t(h.recurrent_floats);
+        for (uint32_t i = 0; i < n; ++i) {
+            RecurrentState::HostCheckpoint ck;
+            ck.pos = c.get<int64_t>();
+            const bool last = i + 1 == n;
+            if (last ? ck.pos != h.n_past : ck.pos <= 0 || ck.pos > h.n_past || ck.pos % C != 0)
+                c.bad("a state at position " + std::to_string(ck.pos) + " (n_past " + std::to_string(h.n_past) + ")");
+            if (!last && !B.recr.empty() && ck.pos <= B.recr.back().pos) c.bad("checkpoints out of order");
+            ck.data.resize(floats);
+            std::memcpy(ck.data.data(), c.raw(floats * sizeof(float)), floats * sizeof(float));
+            for (float v : ck.data)
+                if (!std::isfinite(v)) c.bad("a recurrent state that is not finite");
+            B.recr.push_back(std::move(ck));
+        }
+        c.done();
+    }
     s.body_ = std::move(body);
     return s;
 }
@@ -1133,6 +1207,12 @@ void Snapshot::apply(Runtime &rt, ChunkSummaries *summaries) const {
                                 size_t(B.ring_v_bytes[i]));
     }
     if (!B.ring_at.empty()) rt.ring()->set_positions(B.swa_pos);
+    if (rt.recr_) {   // the state at n_past, and the checkpoints (the newest the runtime's limit keeps)
+        rt.recr_->restore(B.recr.back());
+        const size_t n_ck = B.recr.size() - 1,
+                     keep = std::min(n_ck, size_t(std::max<int32_t>(0, rt.cfg_.recurrent_checkpoints)));
+        rt.checkpoints_.assign(B.recr.begin() + std::ptrdiff_t(n_ck - keep), B.recr.begin() + std::ptrdiff_t(n_ck));
+    }
     rt.n_past_ = h.n_past;
     rt.captured_q_ = B.captured;
     rt.n_captured_ = B.n_captured;

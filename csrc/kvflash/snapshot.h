@@ -4,7 +4,7 @@
 // A snapshot holds the chunk table (the pager's arrays, its free list and counters),
 // the occupied prefix of the pool's rows, the host store's copy of every chunk that
 // has one, the sliding-window ring (gemma3), the captured queries, the chunk summaries
-// (qk-bound / qk-mean), and beside them what the caller adds (SnapshotSession: the
+// (qk-bound / qk-mean), the recurrent layers' state and its host checkpoints (qwen35), and beside them what the caller adds (SnapshotSession: the
 // token history, the last logits, the sampler's generator, an opaque blob for the
 // caller's own state).  KV bytes are copied raw: bit-exact both ways.
 //
@@ -16,6 +16,8 @@
 //     PAGR  chunk table          POOL  pool rows       HOST  host-held chunks
 //     RING  sliding-window ring  QCAP  captured queries SUMM  chunk summaries
 //     TOKS  token history        LOGT  last logits      SAMP  sampler state    APPS  caller's blob
+//     RECR  recurrent state (version 3): u32 count, then count x (i64 position, the state's floats):
+//           the runtime's host checkpoints, positions ascending, then the state at n_past
 // HEAD names the size of everything else, so every section has a largest length its header allows.
 //
 // Reading is two-phase: read() parses and checks the whole file (magic,
@@ -47,7 +49,11 @@ namespace kvflash {
 
 // 2: HEAD records the kvflash version and every row size; the model fingerprint covers the whole
 // GGUF header and tensor table.  Version 1 files are refused (their fingerprints cannot be compared).
-constexpr uint32_t kSnapshotVersion = 2;
+// 3: a twelfth section, RECR, carries the recurrent layers' state and host checkpoints; HEAD ends
+// with their geometry.  Version 2 files (the first eleven sections, no recurrent state) still load
+// into a session without recurrent layers and are refused, saying why, by one with them.
+constexpr uint32_t kSnapshotVersion = 3;
+constexpr uint32_t kSnapshotOldestVersion = 2;
 // The largest caller's blob (APPS) and sampler state (SAMP) a snapshot holds: what a file may
 // have beyond its geometry's KV and tables.
 constexpr uint64_t kSnapshotMaxAppBytes = 16ull << 20;
@@ -94,6 +100,10 @@ struct SnapshotHeader {
     uint64_t query_floats = 0;                     // one captured query over every paged layer
     uint64_t summary_floats = 0;                   // one chunk's summary row over every paged layer
     std::vector<uint64_t> ring_bytes_k, ring_bytes_v;  // per sliding-window layer
+    uint32_t version = kSnapshotVersion;           // the file's format (not compared)
+    int32_t recurrent_layers = 0;                  // layers with a recurrent state (0: none, or a version 2 file)
+    uint64_t recurrent_floats = 0;                 // one checkpoint of that state: every recurrent layer's floats
+    int32_t recurrent_checkpoints = 0;             // host checkpoints the writer kept at most (not compared)
 };
 
 // What Snapshot::peek reads: the header and the caller's blob, with the file's structure checked.

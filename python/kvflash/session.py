@@ -531,8 +531,9 @@ class Session:
     # ------------------------------------------------------------------ snapshots
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the whole session to a snapshot file: the chunk table, the pool's rows, the host
-        store's chunks, gemma3's sliding-window ring, the captured queries, the token history,
-        the last logits, the sampler's generator and the policy's settings.
+        store's chunks, gemma3's sliding-window ring, the recurrent layers' state and its host
+        checkpoints (qwen35), the captured queries, the token history, the last logits, the
+        sampler's generator and the policy's settings.
 
         Atomic: a temporary file beside ``path``, fsynced, then renamed over it; when the write
         fails (RuntimeError naming the OS error) ``path`` is as it was.  Refused (RuntimeError)
