@@ -86,7 +86,7 @@ Bytes payload(const Bytes &b, const char *tag) {
     return Bytes(b.begin() + long(s.at), b.begin() + long(s.at + s.len));
 }
 
-// Offsets of HEAD's fixed fields (format version 2), after its three strings.
+// Offsets of HEAD's fixed fields (format version 2; version 3 appends its recurrent fields), after its three strings.
 struct HeadAt {
     size_t n_layer, chunk_tokens, pool_tokens, n_swa_layers, capture, max_ctx, n_past, chunk_bytes, full_cache, n_vocab,
         query_floats, n_paged, row_k0, version_len;
@@ -156,15 +156,22 @@ std::vector<Case> corruptions(const Bytes &good) {
         Bytes b = good;
         b[3] ^= 1;
         add("magic", b);
-        for (uint32_t v : {0u, 1u, 3u, 0xffffffffu}) {
+        for (uint32_t v : {0u, 1u, 2u, 4u, 0xffffffffu}) {  // 2: a version 3 file's 12 sections
             Bytes w = good;
             put<uint32_t>(w, 8, v);
             add("version " + std::to_string(v), w);
         }
-        for (uint32_t n : {0u, 10u, 12u}) {
+        for (uint32_t n : {0u, 11u, 13u}) {
             Bytes w = good;
             put<uint32_t>(w, 12, n);
             add("sections " + std::to_string(n), w);
+        }
+        {
+            // version 2's preamble on a version 3 file: its HEAD carries the recurrent fields version 2 lacks
+            Bytes w = good;
+            put<uint32_t>(w, 8, 2u);
+            put<uint32_t>(w, 12, 11u);
+            add("version 2, 11 sections", w);
         }
         Bytes t = good;
         t.insert(t.end(), {0, 0, 0});
