@@ -122,9 +122,10 @@ def test_truncate_within_the_snapshots_and_beyond(models):
     path = models["qwen35"]["path"]
     toks = _ids(300, seed=5)
     rt = _runtime(path)
-    rt.eval(toks[:200])                      # one piece: no chunk boundary held when it ends past one
+    rt.eval(toks[:200])                      # two pieces: the first ends at the chunk boundary it crosses
+    assert rt.checkpoints == [192]
     seen = {200: rt.last_logits().copy()}
-    for i in range(200, 270):
+    for i in range(200, 271):
         rt.eval(toks[i:i + 1])
         seen[i + 1] = rt.last_logits().copy()
     assert rt.max_rewind < 14
@@ -134,11 +135,15 @@ def test_truncate_within_the_snapshots_and_beyond(models):
     assert np.array_equal(rt.last_logits(), seen[268])
     # to a checkpoint (a chunk boundary passed one token at a time)
     cks = rt.checkpoints
-    assert cks and all(c % 64 == 0 for c in cks)
-    c = cks[0]
+    assert cks == [192, 256]
+    c = cks[1]
     rt.truncate(c)
     rt.eval(toks[c:c + 1])
     assert np.array_equal(rt.last_logits(), seen[c + 1])
+    # to the checkpoint the batched eval left, and the same tokens again in one piece
+    rt.truncate(192)
+    rt.eval(toks[192:270])
+    assert np.array_equal(rt.last_logits(), seen[270])
     # beyond both: refused, nothing changed
     n = rt.n_past
     far = 150
@@ -351,3 +356,43 @@ def test_bad_recurrent_sections(models, tmp_path, edit, match):
     _write_sections(tmp_path / "bad.kvf", ver, secs)
     with pytest.raises(ValueError, match=match):
         kvflash.Session.load(tmp_path / "bad.kvf", path, threads=2)
+
+
+def test_auto_pool_counts_the_recurrent_state(models):
+    m = core.Model(models["qwen35"]["path"], n_threads=1)
+    r = m.recurrent_bytes()
+    assert r["layers"] == 3 and r["checkpoints"] == 8
+    rt = core.Runtime(m, max_ctx=2048, kv_type="f16")
+    state = [x for x in rt.memories if x["kind"] == "recurrent state"]
+    assert len(state) == 1 and abs(state[0]["device_bytes"] - r["state_bytes"]) <= 4096   # ggml's alignment
+    rt.eval(_ids(200, seed=18))
+    assert rt.checkpoints
+    # one host checkpoint is what a snapshot's RECR holds per state (its floats)
+    from kvflash import _pool
+    assert _pool.recurrent_reserve(m) == r["state_bytes"] + 9 * r["checkpoint_bytes"]
+    assert core.Model(models["qwen3moe"]["path"], n_threads=1).recurrent_bytes()["state_bytes"] == 0
+    # the budget the auto pool is sized from has the reserve taken out, and the banner says so
+    hp = m.hparams
+    per_tok = _pool.kv_bytes_per_token(hp, "q8_0", 1)
+    free = (1 << 30) + m.weight_bytes + 2 * int(4096 * per_tok) + _pool.recurrent_reserve(m)
+    tok, _ = _pool.auto_pool(hp, "q8_0", 1, m.weight_bytes, 1 << 20, free_bytes=free,
+                             extra_bytes=_pool.recurrent_reserve(m))
+    assert tok == 4096
+    # (this tiny model's reserve is worth more than 256 of its tokens: without it the pool comes out larger)
+    assert _pool.auto_pool(hp, "q8_0", 1, m.weight_bytes, 1 << 20, free_bytes=free)[0] > 4096
+    s = _session(models["qwen35"]["path"], "auto", max_ctx=1 << 17, allow_long_ctx=True)
+    assert "recurrent state" in s.auto_reason
+
+
+def test_the_chat_bench_on_a_hybrid(models, tmp_path, capsys):
+    """`python -m kvflash.bench chat`: on qwen35 a turn reads the new tokens plus at most one chunk."""
+    import json
+    from kvflash.bench import cli
+    out = tmp_path / "chat"
+    assert cli.main(["chat", "--model", models["qwen35"]["path"], "--contexts", "900", "--pool", "512",
+                     "--policy", "lru", "--repeats", "2", "--threads", "1", "-o", "json", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)["results"][0]
+    assert len(res["raw"]) == 4
+    for x in res["raw"]:
+        assert x["new"] <= x["reread"] <= x["new"] + 64 and x["checkpoints"]
+    assert sum("(goal: at most one chunk, 64, beyond them: met)" in n for n in res["notes"]) == 2

@@ -65,6 +65,23 @@ model and as an RPC server holds its layers: weight_placement says what each par
             m.set_n_threads(n);
         })
         .def_property_readonly("global_layers", &Model::global_layers)
+        .def("recurrent_bytes", [](const Model &m, int32_t snapshots, int32_t checkpoints) {
+            const Hparams &h = m.hparams();
+            int32_t layers = 0;
+            for (uint8_t r : h.is_recr) layers += r != 0;
+            py::dict d;
+            d["layers"] = layers;
+            d["state_bytes"] = layers ? RecurrentState::device_bytes_for(layers, h.ssm_conv_channels(), h.ssm_d_conv,
+                                                                         h.ssm_state_floats(), snapshots) : size_t(0);
+            d["checkpoint_bytes"] = layers ? RecurrentState::checkpoint_bytes_for(layers, h.ssm_conv_channels(),
+                                                                                  h.ssm_d_conv, h.ssm_state_floats())
+                                           : size_t(0);
+            d["checkpoints"] = layers ? checkpoints : 0;
+            return d;
+        }, py::arg("snapshots") = RuntimeConfig{}.recurrent_snapshots,
+           py::arg("checkpoints") = RuntimeConfig{}.recurrent_checkpoints,
+           "what the recurrent layers' state takes beside the KV (qwen35): {'layers', 'state_bytes' (its rings, on the "
+           "device), 'checkpoint_bytes' (one host checkpoint), 'checkpoints'}; zeros without recurrent layers")
         .def_property_readonly("hparams", [](const Model &m) {
             const Hparams &h = m.hparams();
             py::dict d;
@@ -269,6 +286,16 @@ cache (pool_tokens=0), plus compute graphs.  Driven by kvflash.Session.
                                "how far back truncate can go from n_past (the sliding-window ring's slack)")
         .def_property_readonly("checkpoints", [](PyRuntime &r) { return r.rt->checkpoint_positions(); },
                                "positions of the recurrent state's host checkpoints (chunk boundaries), oldest first")
+        .def_property_readonly("memories", [](PyRuntime &r) {
+            py::list out;
+            for (const Memory *m : r.rt->memories()) {
+                py::dict d;
+                d["kind"] = m->kind(); d["device_bytes"] = m->device_bytes(); d["max_rewind"] = m->max_rewind();
+                out.append(d);
+            }
+            return out;
+        }, "what holds the context: [{'kind', 'device_bytes', 'max_rewind'}] per memory (the paged KV, the "
+           "sliding-window ring, the recurrent state)")
         .def("reset", [](PyRuntime &r) { InUse use(&r.busy); r.session->reset(); })
         .def_property_readonly("timings", [](PyRuntime &r) {
             const RuntimeStats &s = r.rt->stats();

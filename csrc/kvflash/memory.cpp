@@ -117,6 +117,12 @@ RecurrentState::~RecurrentState() {
 
 size_t RecurrentState::device_bytes() const { return buf_ ? ggml_backend_buffer_get_size(buf_) : 0; }
 
+size_t RecurrentState::device_bytes_for(int32_t layers, int64_t channels, int32_t d_conv, int64_t state,
+                                        int32_t snapshots) {
+    const size_t conv_rows = size_t(std::max(snapshots + d_conv - 2, 1) + (d_conv - 1));
+    return size_t(layers) * ((conv_rows + 1) * size_t(channels) + size_t(snapshots + 2) * size_t(state)) * sizeof(float);
+}
+
 int64_t RecurrentState::max_rewind() const {
     // back r tokens: the SSM state after end - r - 1 and the conv rows of end - r - d_conv + 1 .. end - r - 1
     int64_t r = 0;

@@ -150,6 +150,12 @@ public:
     bool can_checkpoint(int64_t pos) const;
     void restore(const HostCheckpoint &c);
     size_t checkpoint_floats() const { return size_t(n_layers()) * (size_t(d_conv_ - 1) * channels_ + state_); }
+    // What a state of this geometry takes before one exists (auto pool sizing): its buffers on the
+    // device (the conv and SSM rings, as the constructor allocates them) and one host checkpoint.
+    static size_t device_bytes_for(int32_t layers, int64_t channels, int32_t d_conv, int64_t state, int32_t snapshots);
+    static size_t checkpoint_bytes_for(int32_t layers, int64_t channels, int32_t d_conv, int64_t state) {
+        return size_t(layers) * (size_t(d_conv - 1) * size_t(channels) + size_t(state)) * sizeof(float);
+    }
 
 private:
     bool holds_conv(int64_t p) const { return p < 0 || conv_pos_[size_t(p % conv_rows_)] == p; }

@@ -358,6 +358,14 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
             const int32_t piece = std::min(cfg_.prefill_piece > 0 ? cfg_.prefill_piece : C, cfg_.ubatch);
             m = std::min<int32_t>(n - done, std::max<int32_t>(1, piece - int32_t(n_past_ % C)));
         }
+        // A recurrent state is checkpointed at the last chunk boundary a piece crosses only while its
+        // snapshots still hold the state there: a piece that would run past them ends at the boundary
+        // instead (one more piece per eval at most), so every eval leaves a checkpoint at its last
+        // boundary and a later turn re-reads less than a chunk past it.
+        if (recr_ && cfg_.recurrent_checkpoints > 0) {
+            const int64_t end = n_past_ + m, b = end / C * C;
+            if (b > n_past_ && end - b >= recr_->snapshots()) m = int32_t(b - n_past_);
+        }
         const bool last = done + m == n;
         float *out = logits_out;
         if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;

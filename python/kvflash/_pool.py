@@ -59,6 +59,14 @@ def auto_pool(hp: dict, kv_type: str, n_paged_layers: int, weight_bytes: int, ma
     return tokens, why
 
 
+def recurrent_reserve(model) -> int:
+    """Bytes the recurrent layers' state takes beside the KV (qwen35; 0 without recurrent layers): its rings on
+    the device, and its host checkpoints plus the one a snapshot writes.  On the CPU both come out of the same
+    RAM; on a GPU the host checkpoints do not, but counting them there only makes the pool smaller."""
+    r = model.recurrent_bytes()
+    return int(r["state_bytes"] + (r["checkpoints"] + 1) * r["checkpoint_bytes"])
+
+
 def pool_tokens(model, kvflash, *, kv_type: str, max_ctx: int, chunk_tokens: int, sink_chunks: int,
                 tail_window_chunks: int, extra_bytes: int = 0) -> tuple[int, str]:
     """(pool size, auto reason) for Session's kvflash= over a loaded model: 0 is the full cache (None, or "auto"
@@ -67,9 +75,12 @@ def pool_tokens(model, kvflash, *, kv_type: str, max_ctx: int, chunk_tokens: int
         return 0, ""
     if kvflash == "auto":
         on_cuda = model.device.startswith("cuda")
+        recr = recurrent_reserve(model)
         pool, why = auto_pool(model.hparams, kv_type, len(model.global_layers), model.weight_bytes, max_ctx,
-                              device=model.device, extra_bytes=extra_bytes,
+                              device=model.device, extra_bytes=extra_bytes + recr,
                               free_bytes=model.device_memory()[0] if on_cuda else None)
+        if recr:
+            why += f"; {recr / 2**20:.1f} MiB kept for the recurrent state and its host checkpoints"
         if pool >= (max_ctx + 255) // 256 * 256:
             pool = 0  # the whole context fits: the full cache is the same thing, minus the paging
         return pool, why
