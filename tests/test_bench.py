@@ -40,6 +40,7 @@ def tiny(tmp_path_factory):
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
     ("exact", ["--contexts", "1200", "--prompts", "3", "--gen-tokens", "12", "--policy", "qk"]),
     ("demo", ["--contexts", "1536", "--repeats", "5", "--policy", "qk"]),
+    ("chat", ["--contexts", "1024", "--repeats", "2", "--policy", "lru"]),
 ])
 def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
     out = tmp_path / routine
@@ -99,6 +100,12 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert all(x["window_rescores"] >= 1 for x in raw if x["mode"] == "kvflash")
         assert any(n.startswith("decode kvflash/full:") and "A/A" in n for n in res["notes"])
         assert any("KV resident" in n for n in res["notes"])
+    if routine == "chat":
+        res = data["results"][0]
+        assert [(r["pool"], r["policy"]) for r in res["rows"]] == [("-", "-"), (512, "lru")], res["rows"]
+        # no recurrent state: a turn reads the new tokens alone
+        assert all(x["reread"] == x["new"] == 40 for x in res["raw"]), res["raw"]
+        assert sum("met" in n for n in res["notes"]) == 2
     if routine == "exact":
         raw = data["results"][0]["raw"]
         assert all(len(x["tokens_sha256"]) == 16 for x in raw)

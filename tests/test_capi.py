@@ -23,7 +23,7 @@ import pytest
 
 import kvflash
 from kvflash import _core, capi
-from tinygguf import write_tiny_model
+from tinygguf import write_tiny_hybrid, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HUGE = 2**38 + 1920
@@ -597,6 +597,87 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for mode in ("pooled", "exact_prefill", "exact", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token", "drafter"):
         assert f"{mode} ok 72" in proc.stdout, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    d = tmp_path_factory.mktemp("capi-hybrid")
+    return {a: write_tiny_hybrid(d / f"{a}.gguf", a, seed=3)["path"] for a in ("qwen35", "qwen35moe", "qwen3moe")}
+
+
+@pytest.mark.parametrize("policy", ["lru", "qk"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3moe"])
+def test_c_example_matches_session_on_the_new_families(c_example, hybrids, tmp_path, arch, policy):
+    """The C API is the same core on MoE and hybrid models: the same greedy tokens and pager traffic as
+    kvflash.Session over a pool smaller than the prompt."""
+    ids = [(i * 37 + 11) % 250 + 3 for i in range(900)]
+    want, st = _session_ids(hybrids[arch], ids, 60, pool=512, policy=policy)
+    proc = _run_example(c_example, hybrids[arch], ids, "-n", 60, "--pool", 512, "--policy", policy, "-t", 2,
+                        tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got, cst = _parse(proc.stdout)
+    assert got == want
+    assert cst["page_outs"] == st["page_outs"] > 0
+
+
+def test_hybrid_snapshots_cross_the_languages(hybrids, tmp_path):
+    """A qwen35 session's snapshot (its recurrent state and checkpoints) saved through the C API continues in
+    kvflash.Session, and the reverse, with the tokens the saving session gives after its save."""
+    model, d = hybrids["qwen35"], str(tmp_path)
+    proc = run_python(f"""
+        import ctypes, os
+        import numpy as np
+        import kvflash
+        from kvflash import capi
+        from test_capi import declare
+        lib = declare(ctypes.CDLL(str(capi.library_path())))
+        err = ctypes.create_string_buffer(1024)
+        m = lib.kvflash_model_load({model!r}.encode(), 1, err, 1024)
+        assert m, err.value
+        ids = [int(x) for x in np.random.default_rng(9).integers(3, 250, 900)]
+        q = lib.kvflash_default_params()
+        q.max_ctx, q.pool_tokens, q.policy, q.tau = 2048, 512, b"lru", 16
+        c = lib.kvflash_session_new(m, ctypes.byref(q), err, 1024)
+        assert c, err.value
+
+        def c_gen(s, n):
+            out, tok = [], ctypes.c_int32()
+            assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
+            for _ in range(n):
+                out.append(tok.value)
+                nxt = ctypes.c_int32()
+                assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
+                tok = nxt
+            return out
+
+        def py_gen(s, n):
+            n0 = s.n_past
+            list(s.generate(None, max_tokens=n, ignore_eos=True))
+            return s.tokens[n0:n0 + n]
+
+        assert lib.kvflash_eval(c, (ctypes.c_int32 * len(ids))(*ids), len(ids), None) == 0
+        c_gen(c, 12)
+        p1 = os.path.join({d!r}, "c.kvsnap")
+        assert lib.kvflash_save(c, p1.encode()) == 0, lib.kvflash_last_error(c)
+        want = c_gen(c, 20)
+        s = kvflash.Session.load(p1, {model!r}, threads=1)
+        assert py_gen(s, 20) == want, "C -> Python"
+        t = kvflash.Session({model!r}, max_ctx=2048, kvflash=512, policy="lru", tau=16, threads=1, verbose=False)
+        t.prefill(ids[:700])
+        py_gen(t, 12)
+        p2 = os.path.join({d!r}, "py.kvsnap")
+        t.save(p2)
+        want = py_gen(t, 20)
+        l = lib.kvflash_session_load(m, p2.encode(), 0, err, 1024)
+        assert l, err.value
+        assert c_gen(l, 20) == want, "Python -> C"
+        print("hybrid round trips ok")
+        lib.kvflash_session_free(l)
+        lib.kvflash_session_free(c)
+        lib.kvflash_model_free(m)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hybrid round trips ok" in proc.stdout
 
 
 def test_snapshots_cross_the_languages(tiny, tmp_path):

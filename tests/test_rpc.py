@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 core = pytest.importorskip("kvflash._core")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygguf import write_tiny_model  # noqa: E402
+from tinygguf import write_tiny_hybrid, write_tiny_model  # noqa: E402
 
 
 def _tiny(tmp_path, arch: str, n_layer: int = 2):
@@ -244,6 +244,28 @@ def test_layers_on_two_servers_equal_one_process(tmp_path, two_servers, arch):
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(x, y)
     del remote
+
+
+def test_moe_layers_on_two_servers_equal_one_process(tmp_path, two_servers):
+    """qwen3moe's routed experts (ggml_mul_mat_id, top-k by argsort) run on the servers that hold their layers:
+    the single process's logits bit for bit through paging; a model with recurrent layers is refused clearly."""
+    path = write_tiny_hybrid(tmp_path / "moe.gguf", "qwen3moe", seed=3)["path"]
+    prompt = np.random.default_rng(2).integers(1, 250, 500).astype(np.int32)
+    runs = []
+    for kw in ({}, dict(rpc=list(two_servers), tensor_split=[1, 1, 1])):
+        m = core.Model(path, n_threads=1, repack=False, **kw)
+        rt = core.Runtime(m, max_ctx=1024, pool_tokens=256, chunk_tokens=16, attn="ggml")
+        runs.append(_greedy(rt, prompt, 10) + (rt.pager.stats["page_outs"],))
+        del rt, m
+    (ta, la, pa), (tb, lb, pb) = runs
+    assert ta == tb and pa == pb > 0
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+    hyb = write_tiny_hybrid(tmp_path / "q35.gguf", "qwen35", seed=3)["path"]
+    m = core.Model(hyb, n_threads=1, rpc=[two_servers[0]], repack=False)
+    with pytest.raises(ValueError, match="recurrent layers cannot place layers on RPC servers"):
+        core.Runtime(m, max_ctx=512, pool_tokens=256, chunk_tokens=16)
+    del m
 
 
 def _layers_of(line: str) -> set:

@@ -189,7 +189,7 @@ void bind_session(RuntimeClass &cls) {
         .def("settle_prompt", [](PyRuntime &r, py::array ids) {
                  InUse use(&r.busy);
                  const std::vector<int32_t> t = token_copy(ids);
-                 nogil([&] { r.session->settle_prompt(t.data(), int32_t(t.size())); return 0; });
+                 nogil([&] { r.session->settle_prompt(int32_t(t.size())); return 0; });
              }, py::arg("ids"))
         .def("rewind", [](PyRuntime &r, int64_t n) {
                  InUse use(&r.busy);

@@ -221,6 +221,11 @@ bool rpc_op_allowed(const ggml_tensor *node) {
         case GGML_OP_SUM_ROWS:
         case GGML_OP_SUB:
         case GGML_OP_POOL_1D:   // the remote share of a rescore (scoring.cpp)
+        // a routed MoE feed-forward (Forward::ffn): router scores, top-k, weight normalisation, expert products
+        case GGML_OP_ARGSORT:
+        case GGML_OP_DIV:
+        case GGML_OP_CLAMP:
+        case GGML_OP_MUL_MAT_ID:
             return true;
         case GGML_OP_UNARY:
             switch (ggml_get_unary_op(node)) {
@@ -228,6 +233,7 @@ bool rpc_op_allowed(const ggml_tensor *node) {
                 case GGML_UNARY_OP_GELU:
                 case GGML_UNARY_OP_TANH:
                 case GGML_UNARY_OP_EXP:
+                case GGML_UNARY_OP_SIGMOID:   // sigmoid routing, a shared expert's gate
                     return true;
                 default:
                     return false;

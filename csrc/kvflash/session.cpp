@@ -222,11 +222,11 @@ int32_t Session::prefill_(const int32_t *ids, int32_t n, const ProgressFn &progr
     opt.progress = progress;
     eval(ids, n, false, l.data(), opt);
     logits_.swap(l);
-    settle_prompt(ids, n);
+    settle_prompt(n);
     return n;
 }
 
-void Session::settle_prompt(const int32_t *ids, int32_t n) {
+void Session::settle_prompt(int32_t n) {
     if (!scored() || rt_->pager().stats().host_chunks == 0) return;
     // The prompt outgrew the pool: the residents are chosen against its tail now (the question
     // usually sits there); then its last tokens are read again so they, not only the last one,
@@ -238,7 +238,6 @@ void Session::settle_prompt(const int32_t *ids, int32_t n) {
         // a recurrent state rewinds to its nearest checkpoint: the tokens from there are read again
         const int64_t end = rt_->n_past(), p = rt_->recurrent() ? rt_->rewind_point(end - k) : end - k;
         const std::vector<int32_t> again(tokens_.begin() + p, tokens_.begin() + end);
-        (void)ids;
         rt_->truncate(p);
         tokens_.resize(size_t(rt_->n_past()));
         eval_logits(again.data(), int32_t(again.size()), false);

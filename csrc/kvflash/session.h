@@ -144,8 +144,8 @@ public:
     // std::invalid_argument when the runtime captures fewer queries than the scorer reads.
     void configure(const SessionConfig &c);
     // After a prompt's eval that did not go through prefill (a restored prefill shared across
-    // policies): the settling rescore and re-read prefill does.  ids: the prompt's tail.
-    void settle_prompt(const int32_t *ids, int32_t n);
+    // policies): the settling rescore and re-read prefill does (n: the prompt's length).
+    void settle_prompt(int32_t n);
 
     // ---- the verbs
     // Appends a prompt at n_past and settles it (a scored session whose prompt outgrew the pool

@@ -12,7 +12,7 @@ from typing import Optional
 from .common import BenchConfig, log, machine_info
 
 ROUTINE_NAMES = ["demo", "ab", "attention", "decode", "memory", "paging", "prefill", "needle", "rescore", "snapshot", "serve",
-                 "ruler", "exact", "load"]
+                 "ruler", "exact", "load", "chat"]
 # `all` leaves out ruler (its matrix takes hours: run it by name, in parts: it resumes from its trial log),
 # exact (full-cache prefills of 8K-32K per context: run it by name) and load (a fixed time of traffic: by name)
 ALL_ORDER = ["memory", "paging", "attention", "decode", "prefill", "needle", "rescore", "snapshot", "serve", "ab"]
@@ -41,6 +41,7 @@ PRESETS = {
         "ruler": dict(contexts=[1024], needles=1, haystacks=["filler"], ruler_residencies=[4], chunk_tokens=16,
                       ruler_aggregate_residencies=[4], policies=["lru", "qk"], split="tuning"),
         "exact": dict(contexts=[2048], exact_prompts=3, exact_tokens=32),
+        "chat": dict(contexts=[2048], repeats=3),
     },
     # The committed results (bench/results/): the figures of the model-runtime issue.
     "standard": {
@@ -65,6 +66,7 @@ PRESETS = {
                       policies=["lru", "qk", "drafter"]),
         # issue 19's figures: pool 2K, 16 prompts x 256 tokens per context (SmolLM2 also 16K, Gemma-3 32K)
         "exact": dict(contexts=[8192, 32768], pools=[2048], policy="qk", exact_prompts=16, exact_tokens=256),
+        "chat": dict(contexts=[4096, 16384], repeats=5, policy="lru"),
     },
     # Long contexts: for machines with time to spare (hours on 2 cores).
     "long": {

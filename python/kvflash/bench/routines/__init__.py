@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._shared import passkey_chunks, rank_of, rank_text, span_rank  # noqa: F401 (bench/drafter_rank.py)
 from .ab import run_ab
 from .attention import run_attention
+from .chat import run_chat
 from .decode import run_decode
 from .demo import run_demo
 from .exact import run_exact
@@ -24,4 +25,4 @@ from .snapshot import run_snapshot
 ROUTINES = {"demo": run_demo, "decode": run_decode, "memory": run_memory, "paging": run_paging, "prefill": run_prefill,
             "needle": run_needle, "ab": run_ab, "rescore": run_rescore,
             "snapshot": run_snapshot, "serve": run_serve, "load": run_load,
-            "attention": run_attention, "ruler": run_ruler, "exact": run_exact}
+            "attention": run_attention, "ruler": run_ruler, "exact": run_exact, "chat": run_chat}

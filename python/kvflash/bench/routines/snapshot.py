@@ -60,7 +60,9 @@ def run_snapshot(cfg: BenchConfig) -> Result:
         if pool >= max_ctx or s.pager is None:
             raise ValueError(f"snapshot: pool {pool} holds the whole context ({max_ctx}): choose a smaller --pool")
     toks = text_tokens(src, max_ctx)
-    kv_per_token = kv_bytes_per_token(src.hparams, cfg.kv_type, int(src.hparams["n_layer"]))   # the full cache's
+    # the full cache's: every layer with KV (recurrent layers have none)
+    kv_per_token = kv_bytes_per_token(src.hparams, cfg.kv_type,
+                                      int(src.hparams["n_layer"]) - src.model.recurrent_bytes()["layers"])
     res = Result("snapshot", f"session snapshots: save, file size and restore against re-prefilling "
                  f"(pool {pool}, policy {src.policy.name}; median ± spread of {cfg.repeats} repeats)",
                  BASE_COLS + [("pool", "pool"), ("policy", "policy"), ("context", "context"), ("op", "op"),
@@ -143,9 +145,9 @@ def run_snapshot(cfg: BenchConfig) -> Result:
                          f"A/A restore / restore_again {statistics.median(a):.2f}x ({_spread(a)}); "
                          f"restored logits and next {CHECK_TOKENS} greedy tokens equal to the saved session's: {ex}")
     res.notes.append(f"KV MiB: what the session holds (pool + sliding-window rows + host store's used bytes); full-cache "
-                     f"KV MiB: {kv_per_token:.0f} B/token x the context (all layers, {cfg.kv_type}); file / KV: the "
-                     "file's size over KV MiB (the file also holds the token history, the last logits and the captured "
-                     "queries)")
+                     f"KV MiB: {kv_per_token:.0f} B/token x the context (every layer with KV, {cfg.kv_type}); file / KV: "
+                     "the file's size over KV MiB (the file also holds the token history, the last logits, the captured "
+                     "queries and, with recurrent layers, their state and host checkpoints)")
     res.notes += [
         "prefill: a fresh prefill of the context into a reset session (what a restart pays without a snapshot); "
         "save: Session.save (a temporary file beside the target, fsynced, renamed; the directory fsynced)",
