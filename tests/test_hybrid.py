@@ -173,18 +173,23 @@ def test_an_interrupted_prompt_changes_nothing(models):
 
 
 @pytest.mark.parametrize("pool", [None, 256], ids=["full", "pool256"])
-def test_a_chat_turn_rereads_from_a_checkpoint(models, pool):
+@pytest.mark.parametrize("back", [0, 12], ids=["appended", "tail-redrawn"])
+def test_a_chat_turn_rereads_from_a_checkpoint(models, pool, back):
+    """back: the next prompt leaves the cache that many tokens before its end (a template that re-renders the
+    reply's tail); 12 is past the state's snapshots (8), so the state comes back from a host checkpoint."""
     path = models["qwen35"]["path"]
     s = _session(path, pool)
     s.prefill(_ids(900, seed=7).tolist())
     "".join(s.generate(None, max_tokens=20, ignore_eos=True))
-    hist = list(s.tokens)
+    hist = list(s.tokens)[:len(s.tokens) - back]
     new = _ids(40, seed=8).tolist()
     t0 = s.runtime.timings["tokens"]
     reused = s.continue_to(hist + new)
     reread = s.runtime.timings["tokens"] - t0
-    assert reused >= len(hist) - 16
+    assert len(hist) - 16 <= reused <= len(hist)
     assert len(new) <= reread <= len(new) + 16     # the new tokens plus at most one chunk
+    if back:
+        assert reused < len(hist)                  # not free: from the checkpoint before the cut
     # what a session that read it all at once holds
     ref = _session(path, pool)
     ref.prefill(hist + new)

@@ -15,8 +15,12 @@ from ..common import BenchConfig, Progress, ctx_label, summarize, text_tokens
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note, _modes, _open_modes, _spread
 
-REPLY_TOKENS = 16     # the assistant's answer, generated (in the history when the user's next message comes)
+REPLY_TOKENS = 16     # the assistant's answer, generated
 USER_TOKENS = 40      # the user's next message
+# The next request's prompt holds the reply without its last REDRAWN tokens (a chat template that
+# strips the reasoning from earlier turns drops them all; one that closes the turn differently, a few): the
+# prompt leaves the cache REDRAWN tokens back, more than the recurrent state's snapshots (8) take back.
+REDRAWN = 12
 
 
 def run_chat(cfg: BenchConfig) -> Result:
@@ -28,7 +32,8 @@ def run_chat(cfg: BenchConfig) -> Result:
     modes = _modes(cfg)
     max_ctx = max(ctxs) + cfg.repeats * (REPLY_TOKENS + USER_TOKENS + 2) + 64
     res = Result("chat", f"a chat's next turn: tokens read again and seconds, against re-reading the conversation "
-                 f"(reply {REPLY_TOKENS} tokens, then {USER_TOKENS} new; median ± spread of {cfg.repeats} turns)",
+                 f"(reply {REPLY_TOKENS} tokens, the next prompt leaving the cache {REDRAWN} tokens back, then "
+                 f"{USER_TOKENS} new; median ± spread of {cfg.repeats} turns)",
                  BASE_COLS + [("pool", "pool"), ("policy", "policy"), ("context", "history"),
                               ("prefill_s", "prefill of the history s"), ("turn_s", "turn s (continue_to)"),
                               ("reread", "tokens evaluated by the turn"), ("over_new", "beyond the new tokens"),
@@ -56,7 +61,7 @@ def run_chat(cfg: BenchConfig) -> Result:
                     for _ in s.generate(None, max_tokens=REPLY_TOKENS, temperature=0.0, ignore_eos=True):
                         pass
                     new = toks[D + r * USER_TOKENS:D + (r + 1) * USER_TOKENS].tolist()
-                    want = list(s.tokens) + new
+                    want = list(s.tokens)[:len(s.tokens) - REDRAWN] + new
                     e0 = s.runtime.timings["tokens"]
                     t0 = time.perf_counter()
                     s.continue_to(want)
@@ -82,10 +87,11 @@ def run_chat(cfg: BenchConfig) -> Result:
                              f"{USER_TOKENS} new (goal: at most one chunk, {chunk[m]}, beyond them: "
                              f"{'met' if max(over) <= chunk[m] else 'NOT met'}); the turn took "
                              f"{statistics.median(ratios) * 100:.2f}% of the history's prefill")
-    res.notes.append("tokens evaluated: the runtime's count over continue_to (a model with recurrent layers re-reads "
-                     "from the host checkpoint at or before the cut: the reply's last token is not in the cache yet, "
-                     "so the cut is the history's end, and the state rewinds to the checkpoint below it); prefill: "
-                     "the history read from a reset session, once per mode")
+    res.notes.append(f"tokens evaluated: the runtime's count over continue_to; the prompt leaves the cache {REDRAWN} "
+                     "tokens back (the reply's tail not in it), so a dense cache cuts there for free while a "
+                     "model with recurrent layers rewinds its state to the host checkpoint at or before the cut and "
+                     "reads from there: the tokens beyond the new ones are the distance from that checkpoint to the "
+                     "cut; prefill: the history read from a reset session, once per mode")
     if (n := _long_note(cfg, max_ctx)):
         res.notes.append(n)
     return res
