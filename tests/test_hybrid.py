@@ -155,6 +155,28 @@ def test_truncate_within_the_snapshots_and_beyond(models):
     assert np.array_equal(rt.last_logits(), seen[n + 1])
 
 
+@pytest.mark.parametrize("pool", [None, 256], ids=["full", "pool256"])
+def test_checkpoints_thin_with_age_and_keep_the_newest_boundaries(models, pool):
+    """Every eval leaves a checkpoint at the last boundary it crossed; over the limit the thinning keeps the
+    oldest and the newest two, the rest spaced about geometrically with age (a pooled prompt checkpoints
+    after every chunk-sized piece, which is where the thinning has most to choose from)."""
+    path = models["qwen35"]["path"]
+    kw = {} if pool is None else {"pool_tokens": pool}
+    rt = _runtime(path, chunk_tokens=16, ubatch=128, max_ctx=4096, **kw)
+    toks = _ids(3400, seed=19)
+    rt.eval(toks[:900])
+    for i in range(900, 3400, 10):   # turns of 10 tokens: long enough for the thinning to reach its steady state
+        rt.eval(toks[i:i + 10])
+        cks = rt.checkpoints
+        last = rt.n_past // 16 * 16
+        assert len(cks) <= 8 and all(c % 16 == 0 for c in cks) and cks == sorted(set(cks))
+        assert cks[-1] == last, (rt.n_past, cks)
+        if last - 16 >= 912:     # both boundaries crossed one token at a time (the batched prompt: its pieces' ends)
+            assert cks[-2] == last - 16, (rt.n_past, cks)
+    gaps = np.diff(cks)
+    assert gaps[0] >= gaps[-1] and cks[0] <= 512    # older ones sparser; the oldest kept
+
+
 def test_an_interrupted_prompt_changes_nothing(models):
     path = models["qwen35moe"]["path"]
     toks = _ids(400, seed=6)

@@ -600,13 +600,15 @@ void Runtime::take_checkpoint() {
     checkpoints_.push_back(recr_->checkpoint(c));
     if (checkpoints_.size() <= size_t(cfg_.recurrent_checkpoints)) return;
     // Over the limit: drop the checkpoint whose neighbours are closest together relative to its age (the
-    // newest and the oldest stay), so the kept ones thin out about geometrically with age and a rewind of
-    // d tokens re-reads O(d) more, whatever d is -- a chat turn's cut (a few tokens back) and a prompt's
-    // settling re-read (a few chunks back) both find one near.
+    // oldest and the newest two stay), so the kept ones thin out about geometrically with age and a rewind
+    // of d tokens re-reads O(d) more, whatever d is -- a prompt's settling re-read (a few chunks back)
+    // finds one near, and a chat turn's cut (a few tokens back: past the newest boundary, or just before
+    // it) re-reads less than a chunk past it.
     size_t drop = 0;
     double rel = std::numeric_limits<double>::max();
     const int64_t newest = checkpoints_.back().pos;
-    for (size_t i = 1; i + 1 < checkpoints_.size(); ++i) {
+    const size_t keep_newest = checkpoints_.size() >= 4 ? 2 : 1;
+    for (size_t i = 1; i + keep_newest < checkpoints_.size(); ++i) {
         const double g = double(checkpoints_[i + 1].pos - checkpoints_[i - 1].pos) /
                          double(newest - checkpoints_[i].pos + C);
         if (g < rel) { rel = g; drop = i; }   // ties: the older one
