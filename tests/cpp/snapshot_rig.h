@@ -56,6 +56,7 @@ inline std::vector<Rig> make_rigs(const std::string &dir) {
     std::vector<Rig> rigs;
     rigs.push_back(make_rig(dir, "llama"));
     rigs.push_back(make_rig(dir, "gemma3"));
+    rigs.push_back(make_rig(dir, "qwen35"));   // a recurrent layer: RECR carries its state
     return rigs;
 }
 

@@ -37,7 +37,9 @@ struct Sec {
 std::vector<Sec> sections(const Bytes &b) {
     std::vector<Sec> out;
     size_t at = 16;
-    for (int i = 0; i < 11; ++i) {
+    uint32_t n_sec = 0;   // the preamble's count (a version 3 file: 12, RECR last)
+    std::memcpy(&n_sec, b.data() + 12, 4);
+    for (uint32_t i = 0; i < n_sec && at + 16 <= b.size(); ++i) {
         uint64_t n = 0;
         std::memcpy(&n, b.data() + at + 8, 8);
         out.push_back({std::string(reinterpret_cast<const char *>(b.data() + at), 4), at, at + 16, size_t(n)});
@@ -259,6 +261,38 @@ std::vector<Case> corruptions(const Bytes &good) {
         Bytes big(size_t(kvflash::kSnapshotMaxAppBytes) + 1, ' ');
         add("APPS: past the cap", replace(good, "APPS", big));
     }
+    // the recurrent state (RECR: u32 count, then per state an i64 position and HEAD's recurrent_floats
+    // floats; HEAD ends with i32 recurrent_layers, u64 recurrent_floats, i32 recurrent_checkpoints)
+    if (get<int32_t>(head, head.size() - 16) > 0) {
+        const Bytes recr = payload(good, "RECR");
+        const size_t floats = size_t(get<uint64_t>(head, head.size() - 12)), state = 8 + 4 * floats;
+        auto with_recr = [&](const std::string &n, const std::function<void(Bytes &)> &f, bool refuse = true) {
+            Bytes r = recr;
+            f(r);
+            add("RECR: " + n, replace(good, "RECR", r), refuse);
+        };
+        with_recr("no state", [&](Bytes &r) { put<uint32_t>(r, 0, 0); });
+        with_recr("one state more", [&](Bytes &r) { put<uint32_t>(r, 0, get<uint32_t>(r, 0) + 1); });
+        with_recr("2^32 - 1 states", [&](Bytes &r) { put<uint32_t>(r, 0, ~0u); });
+        with_recr("the last position - 1", [&](Bytes &r) {
+            const size_t at = r.size() - state;
+            put<int64_t>(r, at, get<int64_t>(r, at) - 1);
+        });
+        with_recr("a NaN", [&](Bytes &r) { put<uint32_t>(r, r.size() - 4, 0x7fc00000u); });
+        with_recr("an infinity", [&](Bytes &r) { put<uint32_t>(r, 4 + 8, 0x7f800000u); });
+        with_recr("one byte less", [&](Bytes &r) { r.pop_back(); });
+        with_recr("one byte more", [&](Bytes &r) { r.push_back(0); });
+        if (get<uint32_t>(recr, 0) > 1)
+            with_recr("a checkpoint off a chunk boundary", [&](Bytes &r) { put<int64_t>(r, 4, get<int64_t>(r, 4) + 1); });
+        with_recr("every float 0", [&](Bytes &r) {
+            for (size_t at = 4; at + state <= r.size(); at += state) std::fill(r.begin() + long(at + 8), r.begin() + long(at + state), 0);
+        }, false);
+        with_head("recurrent_layers + 1", [&](Bytes &h) { put<int32_t>(h, h.size() - 16, get<int32_t>(h, h.size() - 16) + 1); });
+        with_head("recurrent_floats + 1", [&](Bytes &h) { put<uint64_t>(h, h.size() - 12, floats + 1); });
+        with_head("recurrent_floats 2^62", [&](Bytes &h) { put<uint64_t>(h, h.size() - 12, uint64_t(1) << 62); });
+        with_head("recurrent_checkpoints 2^31 - 1", [&](Bytes &h) { put<int32_t>(h, h.size() - 4, 0x7fffffff); });
+        with_head("recurrent_checkpoints -1", [&](Bytes &h) { put<int32_t>(h, h.size() - 4, -1); });
+    }
     // KV bytes of any value, checksums redone: opaque to the reader
     for (const char *tag : {"POOL", "HOST"}) {
         Bytes p = payload(good, tag);
@@ -350,15 +384,18 @@ int main(int argc, char **argv) {
             }
         }
     }
-    // Each runtime's snapshot against the other runtime.
+    // Each runtime's snapshot against every other runtime.
     for (size_t i = 0; i < rigs.size(); ++i) {
-        snaprig::spill(bad, bases[1 - i]);
-        std::string why;
-        if (snaprig::try_restore(rigs[i], bad, &why) != snaprig::Outcome::Refused) {
-            std::fprintf(stderr, "%s took %s's snapshot\n", rigs[i].name.c_str(), rigs[1 - i].name.c_str());
-            ++wrong;
-        } else {
-            ++refused;
+        for (size_t j = 0; j < rigs.size(); ++j) {
+            if (j == i) continue;
+            snaprig::spill(bad, bases[j]);
+            std::string why;
+            if (snaprig::try_restore(rigs[i], bad, &why) != snaprig::Outcome::Refused) {
+                std::fprintf(stderr, "%s took %s's snapshot\n", rigs[i].name.c_str(), rigs[j].name.c_str());
+                ++wrong;
+            } else {
+                ++refused;
+            }
         }
     }
     if (argc > 3 && std::filesystem::is_directory(argv[3])) {
