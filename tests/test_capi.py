@@ -36,6 +36,25 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+def c_generate(lib, s, n):
+    """n greedy tokens through the C API's sample / decode (the scripts run_python runs import it)."""
+    out, tok = [], ctypes.c_int32()
+    assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
+    for _ in range(n):
+        out.append(tok.value)
+        nxt = ctypes.c_int32()
+        assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
+        tok = nxt
+    return out
+
+
+def py_generate(s, n):
+    """n greedy tokens from a kvflash.Session (what c_generate gives from the C side)."""
+    n0 = s.n_past
+    list(s.generate(None, max_tokens=n, ignore_eos=True))
+    return s.tokens[n0:n0 + n]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return _tiny_llama(tmp_path_factory, "tiny", seed=3)
@@ -509,7 +528,7 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
         import numpy as np
         import kvflash
         from kvflash import capi
-        from test_capi import Params, Stats, declare
+        from test_capi import Params, Stats, c_generate, declare
         lib = declare(ctypes.CDLL(str(capi.library_path())))
         err = ctypes.create_string_buffer(512)
         m = lib.kvflash_model_load({tiny!r}.encode(), 1, err, 512)
@@ -534,13 +553,7 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
             arr = lambda x: (ctypes.c_int32 * len(x))(*x)
             out = []
             def gen(n):
-                tok = ctypes.c_int32()
-                assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
-                for _ in range(n):
-                    out.append(tok.value)
-                    nxt = ctypes.c_int32()
-                    assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
-                    tok = nxt
+                out.extend(c_generate(lib, s, n))
                 assert lib.kvflash_settle(s) == 0
             assert lib.kvflash_eval(s, arr(ids), len(ids), None) == 0, lib.kvflash_last_error(s)
             gen(steps)
@@ -640,20 +653,10 @@ def test_hybrid_snapshots_cross_the_languages(hybrids, tmp_path):
         c = lib.kvflash_session_new(m, ctypes.byref(q), err, 1024)
         assert c, err.value
 
-        def c_gen(s, n):
-            out, tok = [], ctypes.c_int32()
-            assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
-            for _ in range(n):
-                out.append(tok.value)
-                nxt = ctypes.c_int32()
-                assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
-                tok = nxt
-            return out
+        from test_capi import c_generate, py_generate
+        c_gen = lambda s, n: c_generate(lib, s, n)
 
-        def py_gen(s, n):
-            n0 = s.n_past
-            list(s.generate(None, max_tokens=n, ignore_eos=True))
-            return s.tokens[n0:n0 + n]
+        py_gen = py_generate
 
         assert lib.kvflash_eval(c, (ctypes.c_int32 * len(ids))(*ids), len(ids), None) == 0
         c_gen(c, 12)
@@ -707,23 +710,13 @@ def test_snapshots_cross_the_languages(tiny, tmp_path):
             assert s, err.value
             return s
 
-        def c_gen(s, n):
-            out, tok = [], ctypes.c_int32()
-            assert lib.kvflash_sample(s, None, None, ctypes.byref(tok)) == 0
-            for _ in range(n):
-                out.append(tok.value)
-                nxt = ctypes.c_int32()
-                assert lib.kvflash_decode(s, tok.value, None, ctypes.byref(nxt)) == 0, lib.kvflash_last_error(s)
-                tok = nxt
-            return out
+        from test_capi import c_generate, py_generate
+        c_gen = lambda s, n: c_generate(lib, s, n)
 
         def py_new(policy):
             return kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy=policy, tau=16, threads=1, verbose=False)
 
-        def py_gen(s, n):
-            n0 = s.n_past
-            list(s.generate(None, max_tokens=n, ignore_eos=True))
-            return s.tokens[n0:n0 + n]
+        py_gen = py_generate
 
         for policy in ("lru", "qk", "qk-bound"):
             # C saves, Python loads
