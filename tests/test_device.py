@@ -1,6 +1,7 @@
-"""Device selection as Python sees it, in any build: device strings, the CUDA
-rebuild hint in a CPU-only build, cuda_available/build_info, Session(device=...),
-and the CUDA branch of the auto pool rule (pure arithmetic, no GPU needed)."""
+"""Device selection as Python sees it, in any build: device strings, the CUDA and Vulkan
+rebuild hints in a build without them, cuda_available/vulkan_available/build_info,
+Session(device=...), and the GPU branch of the auto pool rule (pure arithmetic, no GPU
+needed).  tests/test_gpu.py is the suite that runs on a device."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tinygguf import write_small_llama  # noqa: E402
 
 CUDA_BUILT = bool(_core.build_info()["cuda"])
+VULKAN_BUILT = bool(_core.build_info()["vulkan"])
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,9 @@ def tiny(tmp_path_factory):
 
 def test_build_info_keys():
     info = _core.build_info()
-    assert {"cuda", "cuda_devices", "ggml_version", "ggml_commit", "devices", "cpu_features"} <= set(info)
-    assert isinstance(info["cuda"], bool)
+    assert {"cuda", "cuda_devices", "vulkan", "vulkan_devices", "ggml_version", "ggml_commit", "devices",
+            "cpu_features"} <= set(info)
+    assert isinstance(info["cuda"], bool) and isinstance(info["vulkan"], bool)
     assert info["ggml_version"] == _core.ggml_version
     assert any(d["name"] == "CPU" for d in info["devices"])
     assert all(d["memory_total"] > 0 for d in info["devices"])
@@ -42,6 +45,12 @@ def test_cuda_available_consistent_with_build():
     assert avail == (CUDA_BUILT and _core.build_info()["cuda_devices"] > 0)
     if not CUDA_BUILT:
         assert avail is False
+    vk = _core.vulkan_available()
+    assert vk == (VULKAN_BUILT and _core.build_info()["vulkan_devices"] > 0)
+    # ggml's registry lists the same devices build_info counts
+    names = [d["name"] for d in _core.build_info()["devices"]]
+    assert sum(n.startswith("Vulkan") for n in names) == _core.build_info()["vulkan_devices"]
+    assert sum(n.startswith("CUDA") for n in names) == _core.build_info()["cuda_devices"]
 
 
 def test_cpu_model_device_and_memory(tiny):
@@ -52,9 +61,10 @@ def test_cpu_model_device_and_memory(tiny):
     assert 0 < free <= total
 
 
-@pytest.mark.parametrize("bad", ["gpu", "CPU", "cuda:", "cuda:x", "cuda:-1", "cuda0", "", "metal"])
+@pytest.mark.parametrize("bad", ["gpu", "CPU", "cuda:", "cuda:x", "cuda:-1", "cuda0", "", "metal", "vulkan:",
+                                 "vulkan:x", "vulkan0", "Vulkan", "vk"])
 def test_unknown_device_strings(tiny, bad):
-    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'cuda:N'"):
+    with pytest.raises(ValueError, match="'vulkan' or 'vulkan:N'"):
         _core.Model(tiny, 1, device=bad)
 
 
@@ -70,18 +80,54 @@ def test_cuda_without_cuda_build_says_how_to_rebuild(tiny, dev):
         kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="lru", threads=1, verbose=False, device=dev)
 
 
+@pytest.mark.skipif(VULKAN_BUILT, reason="this build has Vulkan")
+@pytest.mark.parametrize("dev", ["vulkan", "vulkan:0", "vulkan:2"])
+def test_vulkan_without_vulkan_build_says_how_to_rebuild(tiny, dev):
+    with pytest.raises(ValueError) as e:
+        _core.Model(tiny, 1, device=dev)
+    msg = str(e.value)
+    assert "built without Vulkan" in msg and "KVFLASH_VULKAN=ON" in msg and "vulkan-deps.sh" in msg
+    with pytest.raises(ValueError, match="built without Vulkan"):
+        kvflash.Session(tiny, max_ctx=1024, kvflash=512, policy="lru", threads=1, verbose=False, device=dev)
+    with pytest.raises(ValueError, match="built without Vulkan"):
+        kvflash.Pager(pool_tokens=512, max_ctx=1024, device=dev)
+
+
+@pytest.mark.skipif(not VULKAN_BUILT, reason="not a Vulkan build")
+def test_vulkan_build_with_no_visible_device_says_why(tiny):
+    """ggml-vulkan lists a CPU-type device (lavapipe) only when GGML_VK_VISIBLE_DEVICES names it: with the
+    variable unset and no GPU, the message says so (run in a child, since ggml reads it once)."""
+    import subprocess
+    code = ("import kvflash._core as c\n"
+            "n = c.build_info()['vulkan_devices']\n"
+            "try:\n"
+            f"    c.Model({tiny!r}, 1, device='vulkan:%d' % n)\n"
+            "except ValueError as e:\n"
+            "    print('REFUSED', n, e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    n = int(out.stdout.split("REFUSED", 1)[1].split()[0])
+    if n == 0:
+        assert "no Vulkan device is visible" in out.stdout and "GGML_VK_VISIBLE_DEVICES" in out.stdout
+    else:
+        assert f"{n} Vulkan device(s) visible" in out.stdout
+
+
 def test_resolve_device():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("cuda:2") == "cuda:2"
-    assert resolve_device("auto") == ("cuda" if _core.cuda_available() else "cpu")
-    for bad in ("gpu", "cuda:x", "", None, 0):
+    assert resolve_device("vulkan:1") == "vulkan:1"
+    want = "cuda:0" if _core.cuda_available() else "vulkan:0" if _core.vulkan_available() else "cpu"
+    assert resolve_device("auto") == want == _core.auto_device()
+    for bad in ("gpu", "cuda:x", "vulkan:", "", None, 0):
         with pytest.raises(ValueError):
             resolve_device(bad)
 
 
 def test_session_device_auto_and_cpu(tiny):
     s = kvflash.Session(tiny, max_ctx=2048, kvflash=512, policy="lru", threads=1, verbose=False, device="auto")
-    assert s.device == ("cuda:0" if _core.cuda_available() else "cpu")
+    assert s.device == _core.auto_device()
     s.prefill(list(range(1, 100)))
     assert s.runtime.n_past == 99
     c = kvflash.Session(tiny, max_ctx=2048, kvflash="auto", policy="lru", threads=1, verbose=False, device="cpu")
@@ -93,7 +139,7 @@ def test_session_device_auto_and_cpu(tiny):
 HP = {"head_dim": 64, "n_head_kv": 4}
 
 
-def test_auto_pool_cuda_rule():
+def test_auto_pool_gpu_rule():
     per_tok = kv_bytes_per_token(HP, "q8_0", 24)          # 24 paged layers: 13056 bytes per token
     MiB = 1 << 20
     # budget = (free - 512 MiB headroom) / 2, no weights subtracted (free is measured after them)
@@ -115,6 +161,11 @@ def test_auto_pool_cuda_rule():
     assert fits == 1024 and why.startswith("max_ctx 1000 fits")
     with pytest.raises(ValueError, match="free_bytes"):
         auto_pool(HP, "q8_0", 24, 0, 4096, False, device="cuda:0")
+    # every GPU backend takes the same rule (Vulkan: ggml-vulkan's device memory query)
+    vk, why = auto_pool(HP, "q8_0", 24, weight_bytes=10 << 30, max_ctx=131072, free_bytes=free, device="vulkan:0")
+    assert vk == tok and "free vulkan:0 memory" in why
+    with pytest.raises(ValueError, match="free_bytes"):
+        auto_pool(HP, "q8_0", 24, 0, 4096, False, device="vulkan:1")
 
 
 def test_auto_pool_cpu_rule_unchanged():

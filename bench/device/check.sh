@@ -12,8 +12,10 @@
 #      the test sees the reference's race).
 #   2. full build: -DKVFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 #      -DGGML_CUDA_NO_VMM=ON into build-cuda with all cores (ggml-cuda is the long part).
-#   3. pytest tests/test_cuda.py (CUDA vs CPU parity: logits in both cache modes, greedy
-#      tokens, host reads of the pool after paging, Model(device="cuda") API) and
+#   3. pytest tests/test_gpu.py, the device suite CI runs on Vulkan (lavapipe), here on CUDA
+#      (KVFLASH_TEST_DEVICE=cuda:0): GPU vs CPU logits in both cache modes, greedy tokens, host
+#      reads of the pool after paging, paging bit-exact through device buffers and its race
+#      test, a device snapshot continued on the CPU, Model(device=...) API; and
 #      tests/test_device.py (device strings, Session(device="auto"), auto pool) with the
 #      module just built.
 #   4. decode curve (tok/s vs context, full cache vs kvflash) for a 0.5B random-weight
@@ -246,7 +248,7 @@ if [ $BUILD_OK = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ 3. parity tests
-sum "## 3. Backend parity (tests/test_cuda.py, tests/test_device.py)"
+sum "## 3. Backend parity (tests/test_gpu.py, tests/test_device.py)"
 sum ""
 PT_LOG="$OUTDIR/pytest.log"
 if [ $HAVE_GGUF = 0 ]; then
@@ -254,12 +256,12 @@ if [ $HAVE_GGUF = 0 ]; then
 elif [ $BUILD_OK = 1 ] || [ $DRY = 1 ]; then
     T=$(step_timeout 150 90)
     say "3. pytest (timeout ${T}s)"
-    PYTHONUNBUFFERED=1 timeout "$T" "$PY" -m pytest tests/test_cuda.py tests/test_device.py -v -s -rs \
+    PYTHONUNBUFFERED=1 KVFLASH_TEST_DEVICE=cuda:0 timeout "$T" "$PY" -m pytest tests/test_gpu.py tests/test_device.py -v -s -rs \
         -p no:cacheprovider > "$PT_LOG" 2>&1; rc=$?
     [ $DRY = 1 ] || "$PY" -c "import kvflash._core as c; print('build_info:', c.build_info())" >> "$PT_LOG" 2>&1
     grep -E "^build_info:" "$PT_LOG" | cut -c1-400 | sed 's/^/    /' >> "$SUMMARY"
     sum "- pytest exit $rc: $(tail -1 "$PT_LOG")"
-    grep -E "^CUDA-PARITY" "$PT_LOG" | sed 's/^/    /' >> "$SUMMARY"
+    grep -E "^DEVICE-(PARITY|PAGING)" "$PT_LOG" | sed 's/^/    /' >> "$SUMMARY"
     grep -E "^(FAILED|SKIPPED)" "$PT_LOG" | head -20 | sed 's/^/    /' >> "$SUMMARY"
 else
     sum "- SKIPPED: no CUDA build"

@@ -10,14 +10,14 @@ namespace kvflash::bindings {
 
 namespace {
 
-// A standalone pager over a CPU-backend pool, for tests, benches and custom runtimes.
+// A standalone pager over a pool on the CPU backend or a GPU's (device), for tests, benches and custom runtimes.
 struct StandalonePager {
     ggml_backend_t backend = nullptr;
     std::unique_ptr<PagedCache> cache;
 
     StandalonePager(PagerConfig cfg, int32_t n_layers, int32_t n_embd_k, int32_t n_embd_v, const std::string &kv_type,
                     const std::vector<int32_t> &layer_ids, const std::string &host, const std::string &host_path,
-                    const std::vector<std::string> &layer_endpoints = {}) {
+                    const std::vector<std::string> &layer_endpoints = {}, const std::string &device = "cpu") {
         if (n_layers <= 0) throw std::invalid_argument("n_layers must be >= 1, got " + std::to_string(n_layers));
         if (!layer_ids.empty() && int32_t(layer_ids.size()) != n_layers)
             throw std::invalid_argument("layer_ids has " + std::to_string(layer_ids.size()) + " entries for n_layers=" +
@@ -33,8 +33,13 @@ struct StandalonePager {
                                         " entries for n_layers=" + std::to_string(n_layers) + " ('' for a local layer)");
         std::vector<ggml_backend_buffer_type_t> bufts;
         for (const std::string &ep : layer_endpoints) bufts.push_back(ep.empty() ? nullptr : rpc_buffer_type(ep));
-        backend = ggml_backend_cpu_init();
-        if (!backend) throw std::runtime_error("cannot initialise the ggml CPU backend");
+        const Device dev = parse_device(device);
+        check_device_visible(dev, device);
+        if (dev.gpu() && !layer_endpoints.empty())
+            throw std::invalid_argument("layer_endpoints (RPC servers) need the pool's own layers on the CPU device, got " +
+                                        device);
+        backend = dev.gpu() ? ggml_backend_dev_init(ggml_device(dev), nullptr) : ggml_backend_cpu_init();
+        if (!backend) throw std::runtime_error("cannot initialise the ggml backend of " + dev.name());
         try {
             cache = std::make_unique<PagedCache>(backend, layers, t, t, cfg, backing, host_path, bufts);
         } catch (...) {
@@ -103,11 +108,15 @@ py::array_t<uint8_t> pool_rows(py::object self, int32_t layer, bool v) {
 // Long on purpose: the methods are thin (a check, then one core call) and read best as one list.
 void bind_pager(py::module_ &m) {
     py::class_<PagerRef>(m, "Pager", R"doc(
-Fixed-size KV pool plus its chunk table, on the ggml CPU backend.
+Fixed-size KV pool plus its chunk table, on the ggml CPU backend or a GPU's.
 
 Pager(pool_tokens=..., max_ctx=..., n_layers=1, n_embd_k=64, n_embd_v=None, kv_type="q8_0",
       layer_ids=None, chunk_tokens=64, sink_chunks=1, tail_window_chunks=4, host="ram", host_path=None,
-      max_host_bytes=0, layer_endpoints=None)
+      max_host_bytes=0, layer_endpoints=None, device="cpu")
+
+device: "cpu", or a GPU as Model takes it ("vulkan:0", "cuda:0"): the pool in the device's memory, the
+host store in its pinned host buffers, page events as async copies on the device's queue
+(read_rows / write_rows wait for them first).
 
 layer_endpoints: one entry per layer, "" for a local layer or "host:port" of a ggml RPC server
 (`kvflash rpc-server`) that holds that layer's slice of the pool (the same block numbering on every
@@ -121,7 +130,8 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
         .def(py::init([](int32_t pool_tokens, int64_t max_ctx, int32_t n_layers, int32_t n_embd_k, py::object n_embd_v,
                          const std::string &kv_type, py::object layer_ids, int32_t chunk_tokens, int32_t sink_chunks,
                          int32_t tail_window_chunks, const std::string &host, py::object host_path,
-                         int64_t max_host_bytes, py::object layer_endpoints) {
+                         int64_t max_host_bytes, py::object layer_endpoints, const std::string &device,
+                         bool unfenced_rows) {
                  PagerConfig cfg;
                  cfg.chunk_tokens = chunk_tokens;
                  cfg.pool_tokens = pool_tokens;
@@ -134,8 +144,9 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
                      layer_ids.is_none() ? std::vector<int32_t>() : layer_ids.cast<std::vector<int32_t>>(), host,
                      optional_path(host_path),
                      layer_endpoints.is_none() ? std::vector<std::string>()
-                                               : layer_endpoints.cast<std::vector<std::string>>());
+                                               : layer_endpoints.cast<std::vector<std::string>>(), device);
                  auto ref = std::make_unique<PagerRef>();
+                 ref->fenced = !unfenced_rows;
                  ref->p = own->cache->pager.get();
                  ref->pool = own->cache->pool.get();
                  ref->owner = own;
@@ -145,7 +156,7 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
              py::arg("n_embd_v") = py::none(), py::arg("kv_type") = "q8_0", py::arg("layer_ids") = py::none(),
              py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
              py::arg("host") = "ram", py::arg("host_path") = py::none(), py::arg("max_host_bytes") = 0,
-             py::arg("layer_endpoints") = py::none())
+             py::arg("layer_endpoints") = py::none(), py::arg("device") = "cpu", py::arg("_unfenced_rows") = false)
         .def_property_readonly("layer_chunk_bytes", [](PagerRef &s) {
             std::vector<size_t> b;
             for (int32_t i = 0; i < s.pool->n_layers(); ++i) b.push_back(s.pool->layer_chunk_bytes(i));
@@ -157,6 +168,7 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
                 throw std::out_of_range("layer " + std::to_string(layer) + " outside [0, " + std::to_string(s.pool->n_layers()) + ")");
             ggml_tensor *t = v ? s.pool->v(layer) : s.pool->k(layer);
             py::array_t<uint8_t> out({t->ne[1], int64_t(t->nb[1])});
+            if (s.fenced) s.pool->fence();
             ggml_backend_tensor_get(t, out.mutable_data(), 0, ggml_nbytes(t));
             return out;
         }, py::arg("layer"), py::arg("v") = false,
@@ -170,6 +182,7 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
             const size_t rb = t->nb[1];
             if (slots.ndim() != 1 || rows.ndim() != 2 || rows.shape(0) != slots.shape(0) || size_t(rows.shape(1)) != rb)
                 throw std::invalid_argument("write_rows: rows must be uint8 [len(slots), " + std::to_string(rb) + "]");
+            if (s.fenced) s.pool->fence();
             for (py::ssize_t i = 0; i < slots.shape(0); ++i) {
                 const int64_t sl = slots.at(i);
                 if (sl < 0 || sl >= t->ne[1]) throw std::out_of_range("write_rows: slot " + std::to_string(sl) + " outside the pool");

@@ -12,10 +12,12 @@ void bind_model(py::module_ &m) {
 GGUF weights and hyper-parameters (immutable, shareable).
 
 Model(path, n_threads=0, device="cpu", rpc=[], tensor_split=[], repack=True): device "cpu", "cuda"
-(= "cuda:0") or "cuda:N".  On CUDA the weights are uploaded to the device and every
-Runtime over the model computes there (pool, sliding-window ring and graphs in device
-memory, paged chunks in a pinned host slab).  ValueError for an unknown device, for CUDA
-in a build without it, or for a CUDA device that is not visible.
+(= "cuda:0"), "cuda:N", "vulkan" (= "vulkan:0"), "vulkan:N" or "auto" (the first CUDA device, else the
+first Vulkan one, else the CPU).  On a GPU (any backend ggml has, through its device registry) the
+weights are uploaded to the device and every Runtime over the model computes there (pool,
+sliding-window ring and graphs in device memory, paged chunks in the device's pinned host buffers where
+it has them).  ValueError for an unknown device, for a GPU backend this build lacks, or for a device
+that is not visible.
 
 rpc: "host:port" endpoints of `kvflash rpc-server` processes; contiguous layer ranges
 go to them in order, by tensor_split's weights (one per endpoint, and optionally one
@@ -50,9 +52,9 @@ model and as an RPC server holds its layers: weight_placement says what each par
         }, "the layer ranges on RPC servers: [{'endpoint', 'first', 'last' (exclusive), 'weight_bytes'}]")
         .def_property_readonly("path", &Model::path)
         .def_property_readonly("device", [](const Model &m) { return m.device().name(); },
-                               "'cpu' or 'cuda:N'.")
+                               "'cpu', 'cuda:N' or 'vulkan:N'.")
         .def("device_memory", &Model::device_memory,
-             "(free, total) bytes of the model's device now (ggml's device memory query; on CUDA free is what is "
+             "(free, total) bytes of the model's device now (ggml's device memory query; on a GPU free is what is "
              "left after the weights and everything else allocated; on the CPU ggml reports free == total).")
         .def_property_readonly("weight_bytes", &Model::weight_bytes)
         .def_property_readonly("weight_placement", &Model::weight_placement,

@@ -66,6 +66,10 @@ struct PagerRef {
     Pager *p = nullptr;
     KVPool *pool = nullptr;
     std::atomic<bool> *busy = nullptr;           // the runtime's InUse flag (a runtime's pager), or none
+    // read_rows / write_rows fence the pool's queued page copies first (a device pool's mover queues them
+    // on the backend, where a synchronous tensor get/set does not wait for them).  False only in the race
+    // test, to show that it catches the unordered version.
+    bool fenced = true;
     Pager &pg() { return *p; }
 };
 

@@ -52,6 +52,8 @@ py::dict build_info() {
     py::dict d;
     d["cuda"] = cuda_compiled();
     d["cuda_devices"] = cuda_device_count();
+    d["vulkan"] = vulkan_compiled();
+    d["vulkan_devices"] = vulkan_device_count();
     d["ggml_version"] = ggml_version();
     d["ggml_commit"] = KVFLASH_BUILD_GGML_COMMIT;
     d["kvflash_commit"] = KVFLASH_BUILD_GIT_COMMIT;
@@ -108,8 +110,14 @@ PYBIND11_MODULE(_core, m) {
     m.attr("kvflash_commit") = KVFLASH_BUILD_GIT_COMMIT;
     m.def("cuda_available", [] { return cuda_compiled() && cuda_device_count() > 0; },
           "True when this build has the CUDA backend (KVFLASH_CUDA=ON) and a CUDA device is visible.");
+    m.def("vulkan_available", [] { return vulkan_compiled() && vulkan_device_count() > 0; },
+          "True when this build has the Vulkan backend (KVFLASH_VULKAN=ON) and a Vulkan device is visible "
+          "(Mesa's lavapipe only when GGML_VK_VISIBLE_DEVICES names it).");
+    m.def("auto_device", [] { return auto_device().name(); },
+          "The device 'auto' picks now: 'cuda:0' when a CUDA device is visible, else 'vulkan:0' when a Vulkan one "
+          "is, else 'cpu'.");
     m.def("build_info", &build_info,
-          "Dict: cuda (compiled in), cuda_devices, ggml_version, ggml_commit, devices (ggml's registered devices "
+          "Dict: cuda / vulkan (compiled in), cuda_devices / vulkan_devices (visible), ggml_version, ggml_commit, devices (ggml's registered devices "
           "with memory), cpu_features (ggml-cpu's instruction sets).");
     m.attr("MAX_CONTEXT") = kMaxContext;
     m.attr("MAX_DRAFT") = kMaxDraft;

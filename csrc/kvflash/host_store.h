@@ -4,7 +4,8 @@
 // store grows by whole regions (each at least as large as everything before it),
 // never per chunk, and freed buffers are reused.  Two backings:
 //   - RAM: plain aligned memory, or pinned memory when an allocator hook is set
-//     (the CUDA build installs cudaHostAlloc/cudaFreeHost so async copies work);
+//     (a pool in device memory installs its device's host buffer type, ggml's pinned
+//     memory, so async copies work: pool.cpp);
 //   - FILE: a memory-mapped file, so a machine can hold a context larger than RAM.
 //     The file is created exclusively (an existing path is an error: two stores never
 //     share one), unlinked at once (the store is the only name for it, so a crash
@@ -18,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,8 +27,8 @@
 namespace kvflash {
 
 struct HostAllocator {
-    void *(*alloc)(size_t bytes) = nullptr;  // nullptr: aligned operator new
-    void (*free)(void *ptr) = nullptr;
+    std::function<void *(size_t bytes)> alloc;  // empty: aligned operator new
+    std::function<void(void *ptr)> free;
 };
 
 class HostStore {

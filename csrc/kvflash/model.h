@@ -111,7 +111,7 @@ class Model {
 public:
     // Throws std::invalid_argument naming the problem (not a GGUF, truncated,
     // unsupported architecture, missing key or tensor, wrong shape).
-    // device: see parse_device.  "cuda" needs a KVFLASH_CUDA build and a visible device
+    // device: see parse_device.  "cuda" / "vulkan" need a KVFLASH_CUDA / KVFLASH_VULKAN build and a visible device
     // (std::invalid_argument otherwise; std::runtime_error if the weights do not fit).
     // n_threads <= 0: the machine's hardware threads.
     // rpc / tensor_split: layer ranges on ggml RPC servers (split_layers; the CPU device only): each

@@ -1,5 +1,5 @@
 // Model::load: a GGUF file checked key by key and tensor by tensor, then its
-// weights placed on the backend (mapped on the CPU, uploaded on CUDA).
+// weights placed on the backend (mapped on the CPU, uploaded into a GPU device's buffer type).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -20,9 +20,6 @@
 #include "kvflash/limits.h"
 #include "kvflash/model.h"
 #include "kvflash/rpc.h"
-#ifdef KVFLASH_WITH_CUDA
-#include "ggml-cuda.h"
-#endif
 
 namespace kvflash {
 
@@ -487,7 +484,7 @@ static ggml_backend_buffer_type_t *cpu_extra_bufts(ggml_backend_dev_t dev, bool 
 
 void Model::place_weights(int32_t threads) {
     // Map the file; the CPU backend points the tensors into it (no copy),
-    // CUDA uploads them into one device buffer and drops the mapping.
+    // a GPU backend uploads them into one device buffer and drops the mapping.
     const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw std::invalid_argument(path_ + ": cannot open");
     map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -500,14 +497,16 @@ void Model::place_weights(int32_t threads) {
     const int64_t n_tensors = gguf_get_n_tensors(gguf_);
     auto nth = [&](int64_t i) { return ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i)); };
     auto file_bytes = [&](int64_t i) { return static_cast<char *>(map_) + data_off + gguf_get_tensor_offset(gguf_, i); };
-    if (device_.kind == Device::Kind::CUDA) {
-#ifdef KVFLASH_WITH_CUDA
-        backend_ = ggml_backend_cuda_init(device_.index);
-        if (!backend_) throw std::runtime_error("cannot initialise the ggml CUDA backend on " + device_.name());
+    if (device_.gpu()) {
+        // Any GPU backend ggml has, through its device registry: the weights in the device's buffer type.
+        ggml_backend_dev_t dev = ggml_device(device_);
+        backend_ = ggml_backend_dev_init(dev, nullptr);
+        if (!backend_) throw std::runtime_error("cannot initialise ggml's " + std::string(ggml_backend_dev_name(dev)) +
+                                                " backend for " + device_.name());
         set_n_threads(threads);
         size_t need = 0;
         for (int64_t i = 0; i < n_tensors; ++i) need += ggml_nbytes(nth(i));
-        buf_ = ggml_backend_alloc_ctx_tensors(meta_, backend_);
+        buf_ = ggml_backend_alloc_ctx_tensors_from_buft(meta_, ggml_backend_dev_buffer_type(dev));
         if (!buf_) {
             const auto mem = device_memory();
             throw std::runtime_error(path_ + ": cannot allocate " + mib(need) + " of weights on " + device_.name() + " (" +
@@ -516,14 +515,13 @@ void Model::place_weights(int32_t threads) {
         ggml_backend_buffer_set_usage(buf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ::madvise(map_, map_bytes_, MADV_SEQUENTIAL);
         for (int64_t i = 0; i < n_tensors; ++i) {
-            ggml_backend_tensor_set(nth(i), file_bytes(i), 0, ggml_nbytes(nth(i)));  // synchronous (ggml-cuda syncs its copy stream)
+            ggml_backend_tensor_set(nth(i), file_bytes(i), 0, ggml_nbytes(nth(i)));  // synchronous
             weight_bytes_ += ggml_nbytes(nth(i));
         }
         ::munmap(map_, map_bytes_);
         map_ = nullptr;
         map_bytes_ = 0;
         return;
-#endif
     }
     backend_ = ggml_backend_cpu_init();
     if (!backend_) throw std::runtime_error("cannot initialise the ggml CPU backend");

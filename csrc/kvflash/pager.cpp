@@ -356,6 +356,7 @@ void Pager::reset() {
     std::fill(slot_pos_.begin(), slot_pos_.end(), -1);
     free_blocks_.clear();
     for (int32_t b = n_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(b);
+    mover_->fence();          // no queued copy may still read or write a host buffer
     host_->release_memory();  // a new conversation starts with no host memory held
     clear_scores();
     head_ = -1;

@@ -1,11 +1,17 @@
 #include "kvflash/pool.h"
 
 #include <algorithm>
-
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <stdexcept>
+#include <unordered_map>
+
+#include "ggml-cpu.h"
 
 #ifdef KVFLASH_WITH_CUDA
 #include "cuda/copy_engine.h"
+#include "ggml-cuda.h"
 #endif
 
 namespace kvflash {
@@ -102,28 +108,91 @@ void KVPool::fence() {
     if (mover_) mover_->fence();
 }
 
+void KVPool::copy_out(int32_t block, uint8_t *dst, ggml_backend_t queue) const {
+    // precondition: 0 <= block < pool_tokens / chunk_tokens
+    for (size_t i = 0; i < k_.size(); ++i)
+        for (ggml_tensor *t : {k_[i], v_[i]}) {
+            const size_t n = size_t(chunk_tokens_) * t->nb[1];
+            if (queue) ggml_backend_tensor_get_async(queue, t, dst, size_t(block) * n, n);
+            else ggml_backend_tensor_get(t, dst, size_t(block) * n, n);
+            dst += n;
+        }
+}
+
+void KVPool::copy_in(int32_t block, const uint8_t *src, ggml_backend_t queue) {
+    for (size_t i = 0; i < k_.size(); ++i)
+        for (ggml_tensor *t : {k_[i], v_[i]}) {
+            const size_t n = size_t(chunk_tokens_) * t->nb[1];
+            if (queue) ggml_backend_tensor_set_async(queue, t, src, size_t(block) * n, n);
+            else ggml_backend_tensor_set(t, src, size_t(block) * n, n);
+            src += n;
+        }
+}
+
 void KVPool::page_out(int32_t block, uint8_t *dst) {
     if (mover_) return mover_->page_out(block, dst);
-    // precondition: 0 <= block < pool_tokens / chunk_tokens
-    for (size_t i = 0; i < k_.size(); ++i) {
-        const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
-        ggml_backend_tensor_get(k_[i], dst, size_t(block) * nk, nk);
-        dst += nk;
-        ggml_backend_tensor_get(v_[i], dst, size_t(block) * nv, nv);
-        dst += nv;
-    }
+    copy_out(block, dst, nullptr);
 }
 
 void KVPool::page_in(int32_t block, const uint8_t *src) {
     if (mover_) return mover_->page_in(block, src);
-    for (size_t i = 0; i < k_.size(); ++i) {
-        const size_t nk = size_t(chunk_tokens_) * k_[i]->nb[1], nv = size_t(chunk_tokens_) * v_[i]->nb[1];
-        ggml_backend_tensor_set(k_[i], src, size_t(block) * nk, nk);
-        src += nk;
-        ggml_backend_tensor_set(v_[i], src, size_t(block) * nv, nv);
-        src += nv;
-    }
+    copy_in(block, src, nullptr);
 }
+
+namespace {
+
+// A pool in a GPU's memory pages through ggml's async tensor copies queued on the pool's own backend.
+// One backend runs its async copies and its graphs in the order they were issued (ggml's backend contract:
+// the CUDA stream, the Vulkan queue), so a page-out reads its block before any later kernel writes a new
+// chunk's K/V there, and a page-in lands before any later kernel attends the chunk, with no host wait.
+// fence() (ggml_backend_synchronize) completes them: every page-out's host bytes are then whole, and no
+// page-in still reads its source.  The runtime fences after each graph and before any host read
+// (Runtime::sync_for_host_read); the pager before it hands host memory back.
+class BackendMover final : public ChunkMover {
+public:
+    explicit BackendMover(KVPool &pool) : pool_(pool) {}
+    ~BackendMover() override { ggml_backend_synchronize(pool_.backend()); }
+    size_t chunk_bytes() const override { return pool_.chunk_bytes(); }
+    void page_out(int32_t block, uint8_t *dst) override {
+        pool_.copy_out(block, dst, pool_.backend());
+    }
+    void page_in(int32_t block, const uint8_t *src) override {
+        pool_.copy_in(block, src, pool_.backend());
+    }
+    void fence() override { ggml_backend_synchronize(pool_.backend()); }
+
+private:
+    KVPool &pool_;
+};
+
+// The host store in the device's host buffer type (pinned memory, so the async copies are real DMA, not
+// a staged copy and a wait): one ggml buffer per region, found again by its base address when freed.
+HostAllocator host_buffer_allocator(ggml_backend_buffer_type_t buft) {
+    struct Buffers {
+        std::mutex mu;
+        std::unordered_map<void *, ggml_backend_buffer_t> of;
+    };
+    auto bufs = std::make_shared<Buffers>();
+    HostAllocator a;
+    a.alloc = [buft, bufs](size_t bytes) -> void * {
+        ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(buft, bytes);
+        if (!b) return nullptr;
+        void *p = ggml_backend_buffer_get_base(b);
+        std::lock_guard<std::mutex> lock(bufs->mu);
+        bufs->of[p] = b;
+        return p;
+    };
+    a.free = [bufs](void *p) {
+        std::lock_guard<std::mutex> lock(bufs->mu);
+        auto it = bufs->of.find(p);
+        if (it == bufs->of.end()) return;
+        ggml_backend_buffer_free(it->second);
+        bufs->of.erase(it);
+    };
+    return a;
+}
+
+}  // namespace
 
 PagedCache::PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers, ggml_type type_k,
                        ggml_type type_v, PagerConfig cfg, HostStore::Backing backing, std::string host_path,
@@ -132,13 +201,23 @@ PagedCache::PagedCache(ggml_backend_t backend, std::vector<PoolLayerSpec> layers
     pool = std::make_unique<KVPool>(backend, std::move(layers), type_k, type_v, cfg.pool_tokens, cfg.chunk_tokens,
                                     std::move(layer_bufts));
     HostAllocator host_alloc;  // default: plain aligned memory
+    if (!ggml_backend_is_cpu(backend)) {
+        // A pool in a GPU's memory (any of ggml's GPU backends) pages through async copies on the
+        // backend's queue into the device's pinned host buffers, where it has a host buffer type.
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+        if (host_buft) host_alloc = host_buffer_allocator(host_buft);
 #ifdef KVFLASH_WITH_CUDA
-    // A pool in device memory pages through the async copy engine into a pinned slab.
-    if (!pool->host_accessible()) {
-        pool->set_mover(cuda::make_pool_mover(*pool));
-        host_alloc = cuda::pinned_host_allocator();
-    }
+        // kvflash's own CUDA copy engine (a copy stream beside ggml's, events between them), kept for a lent
+        // GPU to measure against the backend path: KVFLASH_CUDA_COPY_ENGINE=1.
+        const char *eng = std::getenv("KVFLASH_CUDA_COPY_ENGINE");
+        if (eng && *eng && std::strcmp(eng, "0") != 0 && ggml_backend_is_cuda(backend)) {
+            pool->set_mover(cuda::make_pool_mover(*pool));
+            host_alloc = cuda::pinned_host_allocator();
+        } else
 #endif
+            pool->set_mover(std::make_unique<BackendMover>(*pool));
+    }
     pager = std::make_unique<Pager>(cfg, pool.get(), backing, std::move(host_path), host_alloc);
 }
 

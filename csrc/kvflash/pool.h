@@ -30,7 +30,7 @@ ggml_type kv_type_from_name(const std::string &name);
 
 class KVPool : public ChunkMover {
 public:
-    // backend: where the pool lives (CPU or CUDA); must outlive the pool.  layer_bufts (empty, or one per
+    // backend: where the pool lives (the CPU or a GPU); must outlive the pool.  layer_bufts (empty, or one per
     // layer; nullptr: the backend's default) places a layer's K/V in another buffer type -- a remote
     // device's (ggml RPC): paging then reaches it through the same per-layer tensor get/set, and the
     // block numbering is the same on every device.
@@ -59,9 +59,13 @@ public:
 
     ggml_backend_t backend() const { return backend_; }
     int32_t chunk_tokens() const { return chunk_tokens_; }
-    // Hook for a device mover (the CUDA build's async CudaChunkMover): when set,
-    // page_out/page_in/fence delegate to it; when not (the CPU path), chunks move
-    // with synchronous ggml_backend_tensor_get/set as before.  The pool owns it
+    // One block's rows to / from host bytes in the chunk layout above: queued on `queue` with ggml's async
+    // tensor copies (the caller orders and completes them), or synchronous when queue is null.
+    void copy_out(int32_t block, uint8_t *dst, ggml_backend_t queue) const;
+    void copy_in(int32_t block, const uint8_t *src, ggml_backend_t queue);
+    // Hook for a device mover (a GPU pool's: async copies on its backend's queue, pool.cpp; or the CUDA
+    // build's own copy engine when asked for): when set, page_out/page_in/fence delegate to it; when not
+    // (the CPU path, an RPC pool), chunks move with synchronous ggml_backend_tensor_get/set.  The pool owns it
     // and drops it before its buffer.
     void set_mover(std::unique_ptr<ChunkMover> mover) { mover_ = std::move(mover); }
     ChunkMover *mover() const { return mover_.get(); }

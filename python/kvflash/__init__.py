@@ -12,7 +12,7 @@ chunks hold the slots.
 from __future__ import annotations
 
 from ._core import (Model, Pager, Runtime, SnapshotError, build_info, cuda_available, ggml_commit, ggml_version,
-                    min_pool_tokens)
+                    min_pool_tokens, vulkan_available)
 from .models import DEFAULT_MODEL, list_models, resolve_model
 from .policies import BasePolicy, ChunkView, LRUPolicy, Policy, Requirements, register_policy
 from .session import PrefillProgress, Session
@@ -22,4 +22,4 @@ __version__ = "0.1.0"
 __all__ = ["Session", "PrefillProgress", "Pager", "Model", "Runtime", "Policy", "BasePolicy", "Requirements",
            "register_policy", "ChunkView", "LRUPolicy", "resolve_model",
            "list_models", "DEFAULT_MODEL", "min_pool_tokens", "ggml_version", "ggml_commit", "cuda_available",
-           "build_info", "SnapshotError", "__version__"]
+           "vulkan_available", "build_info", "SnapshotError", "__version__"]

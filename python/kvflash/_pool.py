@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import _core
+from .devices import is_gpu
 from .system import available_ram
 
 AUTO_CAP_TOKENS = 16384
@@ -28,16 +29,16 @@ def auto_pool(hp: dict, kv_type: str, n_paged_layers: int, weight_bytes: int, ma
     needs beside the session: ``extra_bytes``, its ``Requirements.extra_bytes``;
     ``expect_drafter=True`` adds a drafter's DRAFTER_RESERVE_BYTES), halved, capped,
     rounded to 256, floor at the minimum pool, never above max_ctx.
-    CUDA (device "cuda:N"): the same rule over free device memory, which the caller
-    passes as free_bytes = Model.device_memory()[0], queried after the weights were
+    A GPU (device "cuda:N", "vulkan:N"): the same rule over free device memory, which the
+    caller passes as free_bytes = Model.device_memory()[0], queried after the weights were
     loaded (so they are not subtracted again); the headroom is for compute buffers
-    and cuBLAS workspaces, plus the policy's reserve.
+    and the backend's workspaces, plus the policy's reserve.
     """
     floor = _core.min_pool_tokens()
     reserve = int(extra_bytes) + (DRAFTER_RESERVE_BYTES if expect_drafter else 0)
-    if device.startswith("cuda"):
+    if is_gpu(device):
         if free_bytes is None:
-            raise ValueError("auto_pool on CUDA needs free_bytes (free device memory after the weights)")
+            raise ValueError(f"auto_pool on {device} needs free_bytes (free device memory after the weights)")
         free = free_bytes
         budget = max(0, free - (512 << 20) - reserve) // 2
         where = f"half of free {device} memory after weights and headroom, {free / 2**20:.0f} MiB free"
@@ -74,11 +75,11 @@ def pool_tokens(model, kvflash, *, kv_type: str, max_ctx: int, chunk_tokens: int
     if kvflash is None:
         return 0, ""
     if kvflash == "auto":
-        on_cuda = model.device.startswith("cuda")
+        on_gpu = is_gpu(model.device)
         recr = recurrent_reserve(model)
         pool, why = auto_pool(model.hparams, kv_type, len(model.global_layers), model.weight_bytes, max_ctx,
                               device=model.device, extra_bytes=extra_bytes + recr,
-                              free_bytes=model.device_memory()[0] if on_cuda else None)
+                              free_bytes=model.device_memory()[0] if on_gpu else None)
         if recr:
             why += f"; {recr / 2**20:.1f} MiB kept for the recurrent state and its host checkpoints"
         if pool >= (max_ctx + 255) // 256 * 256:

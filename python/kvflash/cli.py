@@ -25,8 +25,8 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--allow-long-ctx", action="store_true", help="allow max_ctx above the trained context")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when built with it "
-                   "and a device is visible)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | vulkan[:N] (auto: a GPU when this build "
+                   "has its backend and a device is visible, CUDA before Vulkan; else the CPU)")
     p.add_argument("--rpc", default=None, help="host:port[,host:port...]: run contiguous layer ranges on these "
                    "`kvflash rpc-server`s (their weights and pool slices live there; the protocol has no "
                    "authentication: trusted networks only)")

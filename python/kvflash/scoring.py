@@ -267,7 +267,9 @@ class DrafterPolicy(BasePolicy):
             if same:   # same weights: share them
                 model, self._tok = target.model, target.tokenizer
             else:
-                model = _core.Model(self.path, self.threads or target.threads)
+                # on the target's device (a GPU's drafter scores beside it; "cpu" where the target is)
+                model = _core.Model(self.path, self.threads or target.threads,
+                                    device=getattr(target.model, "device", "cpu"))
                 self._tok = Tokenizer.from_gguf(self.path)
         except Exception as e:  # an explicit drafter that fails to load is an error
             raise ValueError(f"drafter {self.path} failed to load: {e}") from e

@@ -1,0 +1,400 @@
+"""The device suite (marker ``device``): the same model on a GPU and on the CPU backend, and the pool's
+paging through the device's memory.  One suite for every GPU backend ggml has: CI runs it on Vulkan
+(Mesa's lavapipe: ``GGML_VK_VISIBLE_DEVICES=0``), a lent NVIDIA machine on CUDA (bench/device/check.sh).
+
+The device under test: ``KVFLASH_TEST_DEVICE`` ("vulkan:0", "cuda:0", ...), else what ``device="auto"``
+picks (``_core.auto_device()``).  Where that is the CPU (a build without a GPU backend, or none
+visible) every test skips, saying why.
+
+What a GPU build adds to the Python API (csrc/bindings/; tests/test_device.py covers what behaves the
+same in every build):
+
+    kvflash._core.Model(path, n_threads, device="vulkan:0" | "cuda:0" | "auto")
+                                          weights in the device's buffer type (ggml's device registry);
+                                          every Runtime over it computes on that backend: pool,
+                                          sliding-window ring and recurrent state in device memory,
+                                          host store in the device's pinned host buffers, page events
+                                          as async copies on the backend's queue (pool.cpp).
+    Model.device / device_memory()        "vulkan:N" | "cuda:N" / (free, total) bytes of the device
+    kvflash._core.Runtime(model, ...)     unchanged; attn="auto"/"ggml" is ggml_flash_attn_ext over the
+                                          pool, attn="pool" (kvflash's CPU kernel) ValueError.
+    kvflash.Pager(..., device=...)        a standalone pool on the device (the paging tests below).
+    kvflash.Session(..., device="auto")   the GPU when one is visible; kvflash="auto" sizes the pool from
+                                          the device's free memory.
+
+Error measure: normalised mean squared error, as ggml's test-backend-ops does (sum (a-b)^2 / sum b^2,
+b = the CPU result), plus greedy-token identity where the CPU's top-2 margin allows.  One greppable
+line per comparison (``DEVICE-PARITY ...``), which check.sh and the CI log keep.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+core = pytest.importorskip("kvflash._core")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tinygguf import write_tiny_model  # noqa: E402
+
+NMSE_TOL = {"f16": 1e-4, "q8_0": 5e-4}
+
+
+def _device() -> tuple[str, str | None]:
+    """(device under test, None) or ("cpu", why the suite cannot run here)."""
+    want = os.environ.get("KVFLASH_TEST_DEVICE", "")
+    if want:
+        return want, None   # asked for by name: a device that is not there fails the tests, it does not skip them
+    info = core.build_info()
+    if not (info["cuda"] or info["vulkan"]):
+        return "cpu", ("not a GPU build (pip install . -Ccmake.define.KVFLASH_VULKAN=ON or KVFLASH_CUDA=ON, "
+                       "see the README)")
+    dev = core.auto_device()
+    if dev == "cpu":
+        return "cpu", ("a GPU build, but no device is visible (lavapipe: GGML_VK_VISIBLE_DEVICES=0; "
+                       "KVFLASH_TEST_DEVICE names one)")
+    return dev, None
+
+
+DEVICE, _REASON = _device()
+pytestmark = [pytest.mark.device, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+def nmse(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
+
+
+def greedy_pair(rg, rc, prompt, steps):
+    """Prompt then greedy steps on the GPU (rg) and CPU (rc) runtimes, each following its own argmax;
+    stops at the first divergence.  Returns (per-step NMSE, gpu tokens, cpu tokens, last cpu logits)."""
+    a, b = rg.eval(prompt, False), rc.eval(prompt, False)
+    errs, ta, tb = [nmse(a, b)], [int(a.argmax())], [int(b.argmax())]
+    for _ in range(steps):
+        a = rg.eval(np.array([ta[-1]], np.int32), False)
+        b = rc.eval(np.array([tb[-1]], np.int32), False)
+        errs.append(nmse(a, b))
+        ta.append(int(a.argmax()))
+        tb.append(int(b.argmax()))
+        if ta[-1] != tb[-1]:
+            break
+    return errs, ta, tb, b
+
+
+def report(name: str, err: float, tol: float) -> None:
+    # One greppable line per comparison; check.sh copies these into the summary.
+    print(f"DEVICE-PARITY {DEVICE} {name} nmse={err:.3e} tol={tol:.0e}")
+
+
+ARCH_KW = {
+    # head_dim 64/128: real-model head sizes (the backends' flash attention kernels are per head size).
+    "llama": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512),
+    "qwen3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128, n_ff=512),
+    "gemma3": dict(n_layer=6, n_embd=256, n_head=4, n_head_kv=1, head_dim=128, n_ff=512, gemma_sliding_window=64),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp("gpu") / f"{arch}.gguf"
+            write_tiny_model(path, arch, weight_type="f32", seed=11, ctx_len=8192, **ARCH_KW[arch])
+            cpu = core.Model(str(path), 2, device="cpu")
+            gpu = core.Model(str(path), 2, device=DEVICE)
+            assert (cpu.device, gpu.device) == ("cpu", DEVICE if ":" in DEVICE else DEVICE + ":0")
+            cache[arch] = (cpu, gpu)
+        return cache[arch]
+
+    yield get
+    cache.clear()
+
+
+def toks(n: int, seed: int, n_vocab: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
+
+
+def runtimes(models, arch, **kw):
+    cpu, gpu = models(arch)
+    return core.Runtime(cpu, **kw), core.Runtime(gpu, **kw), cpu.hparams["n_vocab"]
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", sorted(ARCH_KW))
+def test_full_cache_prefill_logits(models, arch, kv_type):
+    """Full cache, a 300-token prompt in one batch: every position's logits."""
+    rc, rg, V = runtimes(models, arch, max_ctx=1024, pool_tokens=0, kv_type=kv_type)
+    t = toks(300, 1, V)
+    a = rg.eval(t, True)
+    b = rc.eval(t, True)
+    err = nmse(a, b)
+    report(f"full-prefill {arch} {kv_type}", err, NMSE_TOL[kv_type])
+    assert err < NMSE_TOL[kv_type]
+    assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.99
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", sorted(ARCH_KW))
+def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
+    """kvflash: a prompt 3x the pool (pooled prefill with live eviction and paging
+    through the device's pinned host buffers), then greedy decode; logits per step and the tokens."""
+    kw = dict(max_ctx=4096, pool_tokens=512, kv_type=kv_type, ubatch=64)
+    rc, rg, V = runtimes(models, arch, **kw)
+    errs, ta, tb, b = greedy_pair(rg, rc, toks(1536, 2, V), 48)
+    worst = max(errs)
+    report(f"kvflash-decode {arch} {kv_type}", worst, NMSE_TOL[kv_type])
+    st = rg.pager.stats
+    assert st["page_outs"] > 0 and st["host_chunks"] > 0, st  # the prompt really paged through the pinned slab
+    assert worst < NMSE_TOL[kv_type], (errs, st)
+    srt = np.sort(b)
+    assert ta == tb, f"greedy tokens diverge: {DEVICE} {ta} cpu {tb}; cpu top-2 margin {srt[-1] - srt[-2]:.3g}"
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", sorted(ARCH_KW))
+def test_full_cache_greedy_decode(models, arch, kv_type):
+    """Full cache: a prompt, then 32 greedy steps; logits per step and identical tokens."""
+    rc, rg, V = runtimes(models, arch, max_ctx=1024, pool_tokens=0, kv_type=kv_type)
+    errs, ta, tb, _ = greedy_pair(rg, rc, toks(200, 5, V), 32)
+    report(f"full-decode {arch} {kv_type}", max(errs), NMSE_TOL[kv_type])
+    assert max(errs) < NMSE_TOL[kv_type], errs
+    assert ta == tb, f"greedy tokens diverge: {DEVICE} {ta} cpu {tb}"
+
+
+def test_host_reads_of_the_pool_follow_the_copies(models):
+    """The host reads of pool rows (chunk_keys, the key summaries made when a chunk
+    seals, attention_scores) and the captured queries, on the device right after paging:
+    they must see the bytes the queued copies and the kernels wrote (fence + sync)."""
+    kw = dict(max_ctx=4096, pool_tokens=512, kv_type="f16", ubatch=64, chunk_summaries=True, capture_queries=4)
+    rc, rg, V = runtimes(models, "llama", **kw)
+    t = toks(1300, 6, V)
+    for rt in (rg, rc):
+        rt.eval(t, False)
+        rt.pager.recall(2)  # page a chunk in just before reading it
+    assert rg.pager.chunk_table()["block"][2] >= 0
+    err = nmse(rg.chunk_keys(2, 0), rc.chunk_keys(2, 0))
+    report("host-read chunk_keys", err, 1e-5)
+    assert err < 1e-5
+    err = nmse(rg.captured_queries(), rc.captured_queries())
+    report("host-read captured_queries", err, 1e-5)
+    assert err < 1e-5
+    for mode in ("bound", "mean"):
+        a, b = rg.qk_scores(mode), rc.qk_scores(mode)
+        fin = np.isfinite(b)
+        assert (np.isfinite(a) == fin).all()
+        err = nmse(a[fin], b[fin])
+        report(f"host-read qk_scores {mode}", err, 1e-4)
+        assert err < 1e-4
+    err = nmse(rg.attention_scores(), rc.attention_scores())
+    report("host-read attention_scores", err, 1e-4)
+    assert err < 1e-4
+    # the whole history's attention: the resident keys scored on the device (stock ops), the paged-out
+    # ones from the host store, merged into one softmax
+    a, b = rg.history_attention(n_threads=1), rc.history_attention(n_threads=1)
+    err = nmse(a, b)
+    report("history_attention (device share)", err, 1e-4)
+    assert err < 1e-4
+
+
+def test_device_model_api(models):
+    _, gpu = models("llama")
+    free, total = gpu.device_memory()
+    assert 0 < free <= total
+    with pytest.raises(ValueError, match="CPU attention kernel"):
+        core.Runtime(gpu, max_ctx=1024, pool_tokens=512, attn="pool")
+    core.Runtime(gpu, max_ctx=1024, pool_tokens=512, attn="ggml").eval(toks(10, 7, gpu.hparams["n_vocab"]))
+    kind = DEVICE.split(":")[0]
+    n = core.build_info()[f"{kind}_devices"]
+    with pytest.raises(ValueError, match="device\\(s\\) visible"):
+        core.Model(gpu.path, 1, device=f"{kind}:{n}")
+    with pytest.raises(ValueError, match="exact"):
+        core.Runtime(gpu, max_ctx=1024, pool_tokens=512).eval(toks(10, 7, gpu.hparams["n_vocab"]), exact=True)
+
+
+def test_session_on_the_device_sizes_the_pool_from_device_memory(models):
+    import kvflash
+    _, gpu = models("llama")
+    s = kvflash.Session(gpu.path, max_ctx=8192, kvflash="auto", policy="lru", threads=2, device=gpu.device,
+                        verbose=False)
+    assert s.device == gpu.device
+    assert f"free {gpu.device} memory" in s.auto_reason, s.auto_reason
+    s.prefill(list(range(1, 200)))
+    assert s.runtime.n_past == 199
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_kvflash_matches_full_cache_on_the_device_while_prompt_fits(models, arch):
+    """On the device alone: kvflash (pool < context) equals the full cache while nothing
+    has been evicted (same graph over a smaller pool)."""
+    _, gpu = models(arch)
+    V = gpu.hparams["n_vocab"]
+    full = core.Runtime(gpu, max_ctx=4096, pool_tokens=0, kv_type="f16")
+    flash = core.Runtime(gpu, max_ctx=4096, pool_tokens=512, kv_type="f16")
+    t = toks(400, 3, V)
+    err = nmse(flash.eval(t, True), full.eval(t, True))
+    report(f"kvflash-vs-full {arch}", err, 1e-6)
+    assert err < 1e-6
+
+
+def test_truncate_and_reset_with_host_chunks(models):
+    """Rewind into paged-out territory (the tail comes back from the pinned host buffers),
+    then reset and run again: the device follows the CPU through the same pager decisions."""
+    rc, rg, V = runtimes(models, "llama", max_ctx=4096, pool_tokens=512, kv_type="q8_0", ubatch=64)
+    t = toks(1400, 4, V)
+    outs = []
+    for rt in (rg, rc):
+        o = [rt.eval(t, False)]
+        rt.truncate(700)
+        o.append(rt.eval(t[700:1100], False))
+        rt.reset()
+        o.append(rt.eval(t[:900], False))
+        outs.append(o)
+    for k, (a, b) in enumerate(zip(*outs)):
+        err = nmse(a, b)
+        report(f"truncate-reset step{k}", err, NMSE_TOL["q8_0"])
+        assert err < NMSE_TOL["q8_0"]
+        assert int(a.argmax()) == int(b.argmax())
+
+
+# ----------------------------------------------------------------------------- paging through the device
+
+def _paging_walk(p, rng, n_steps: int, row_bytes: int, n_layers: int):
+    """Random chunk traffic on a standalone device pool against a host mirror: each step writes a new chunk
+    (its block freshly taken from an older chunk, whose page-out is still queued) or recalls an old one (a
+    page-in into a block just paged out) and checks every row of it.  Returns the first mismatch found, or
+    None: (step, chunk, layer, v)."""
+    C = p.chunk_tokens
+    n_chunks = p.max_ctx // C
+    want = {}            # chunk -> {(layer, v): rows}
+    written = 0
+    for step in range(n_steps):
+        if written < n_chunks and (written < 8 or rng.random() < 0.5):
+            c = written
+            slots = p.alloc_span(c * C, C)
+            assert slots is not None
+            want[c] = {}
+            for il in range(n_layers):
+                for v in (False, True):
+                    rows = rng.integers(0, 256, (C, row_bytes), dtype=np.uint8)
+                    p.write_rows(il, slots, rows, v=v)
+                    want[c][(il, v)] = rows
+            written += 1
+            continue
+        c = int(rng.integers(0, written))
+        if p.chunk_table()["block"][c] < 0:
+            assert p.recall(c)
+        slots = np.array([p.slot_of(c * C + j) for j in range(C)])
+        assert (slots >= 0).all()
+        for (il, v), rows in want[c].items():
+            got = p.read_rows(il, v=v)[slots]
+            if not np.array_equal(got, rows):
+                return step, c, il, v
+    return None
+
+
+@pytest.mark.parametrize("kv_type,row_bytes", [("q8_0", 68), ("f16", 128)])
+def test_paging_through_device_buffers_is_bit_exact(kv_type, row_bytes):
+    """A pool on the device (its buffer type), the host store in the device's pinned host buffers, page
+    events as async copies on the device's queue: thousands of steps of chunks written, paged out, their
+    blocks handed at once to new chunks, recalled into other blocks, every row checked against a mirror."""
+    from kvflash import Pager
+    p = Pager(pool_tokens=256, max_ctx=4096, n_layers=2, n_embd_k=64, kv_type=kv_type, chunk_tokens=16,
+              device=DEVICE)
+    assert p.chunk_bytes == 2 * 2 * 16 * row_bytes
+    with pytest.raises(ValueError, match="not in host memory"):
+        p.k_rows(0)   # the pool is device memory: no host view of it
+    bad = _paging_walk(p, np.random.default_rng(7), 3000, row_bytes, 2)
+    st = p.stats
+    print(f"DEVICE-PAGING {DEVICE} {kv_type}: {st['page_outs']} page-outs, {st['page_ins']} page-ins, "
+          f"{st['clean_skips']} clean skips, mismatch {bad}")
+    assert bad is None, f"row mismatch at (step, chunk, layer, v) = {bad}"
+    # every chunk past the pool is paged out once (recalled chunks are clean: dropped, not copied, when evicted)
+    assert st["page_outs"] >= 4096 // 16 - 256 // 16 and st["page_ins"] > 1000 and st["clean_skips"] > 1000, st
+    assert st["resident_bytes"] == 256 * 2 * 2 * row_bytes   # the pool's device bytes: pool-sized
+    p.check_invariants()
+
+
+def test_unordered_paging_is_caught_by_the_race_test():
+    """The same walk with read_rows / write_rows not waiting for the queued page copies (the ordering
+    switched off): a new chunk's rows overwrite a block whose page-out has not run yet, or a recalled chunk
+    is read before its page-in landed.  The walk must see it; if it did not, the test above would prove
+    nothing."""
+    from kvflash import Pager
+    p = Pager(pool_tokens=256, max_ctx=4096, n_layers=2, n_embd_k=64, kv_type="q8_0", chunk_tokens=16,
+              device=DEVICE, _unfenced_rows=True)
+    bad = _paging_walk(p, np.random.default_rng(7), 3000, 68, 2)
+    print(f"DEVICE-PAGING {DEVICE} unordered: mismatch {bad}")
+    assert bad is not None, "the unordered walk found no race: the race test cannot tell ordered from unordered"
+
+
+def test_device_kv_bytes_are_the_pools_not_the_contexts(models):
+    """Device memory for KV: the pool's buffers at pool size; the full cache's at max_ctx."""
+    _, gpu = models("llama")
+    hp = gpu.hparams
+    per_tok = 2 * hp["head_dim"] * hp["n_head_kv"] * 2 * len(gpu.global_layers)   # f16 K and V, paged layers
+    pooled = core.Runtime(gpu, max_ctx=8192, pool_tokens=512, kv_type="f16")
+    full = core.Runtime(gpu, max_ctx=8192, pool_tokens=0, kv_type="f16")
+    pooled.eval(toks(1500, 8, hp["n_vocab"]), False)
+    assert pooled.pager.stats["resident_bytes"] == 512 * per_tok
+    assert full.pager.stats["resident_bytes"] == 8192 * per_tok
+    assert pooled.pager.stats["host_chunks"] > 0
+
+
+def test_a_snapshot_saved_on_the_device_loads_on_the_cpu_and_continues(models, tmp_path):
+    """The device's session (paged chunks in its pinned host buffers, resident ones in its memory) saved,
+    loaded on the CPU backend: the same tokens, logits within the tolerance, the same chunk table, and
+    decoding goes on from there as the device's own session does."""
+    import kvflash
+    _, gpu = models("llama")
+    kw = dict(max_ctx=4096, kvflash=512, policy="lru", threads=2, verbose=False, kv_type="f16")
+    s = kvflash.Session(gpu.path, device=gpu.device, **kw)
+    s.prefill([int(t) for t in toks(1300, 9, gpu.hparams["n_vocab"])])
+    assert s.pager.stats["host_chunks"] > 0
+    path = tmp_path / "dev.kvsnap"
+    s.save(path)
+    t = kvflash.Session.load(path, gpu.path, threads=2, device="cpu")
+    assert t.device == "cpu" and t.tokens == s.tokens and t.n_past == s.n_past
+    assert np.array_equal(t.logits(), s.logits())   # the saved logits themselves
+    a, b = s.pager.chunk_table(), t.pager.chunk_table()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    # the next steps: the CPU from the device's cache against the device going on
+    for sess in (s, t):
+        for _ in sess.generate(max_tokens=8, ignore_eos=True, temperature=0):
+            pass
+    na, nb = s.tokens[-8:], t.tokens[-8:]
+    err = nmse(t.logits(), s.logits()) if na == nb else None
+    report("snapshot device->cpu continue", err if err is not None else float("nan"), NMSE_TOL["f16"])
+    assert na == nb, (na, nb)
+    assert err < NMSE_TOL["f16"]
+
+
+def test_a_drafter_scores_on_the_target_device(models, tmp_path):
+    """policy="drafter" with a drafter file of its own: loaded on the target's device, it scores there and the
+    session pages and answers as on the CPU, where the same drafter ranks the same chunks."""
+    import kvflash
+    _, gpu = models("llama")
+    dpath = tmp_path / "drafter.gguf"
+    write_tiny_model(dpath, "llama", weight_type="f32", seed=12, ctx_len=8192, **ARCH_KW["llama"])
+    prompt = [int(t) for t in toks(1400, 10, gpu.hparams["n_vocab"])]
+    out = {}
+    for dev in (gpu.device, "cpu"):
+        s = kvflash.Session(gpu.path, device=dev, max_ctx=4096, kvflash=512, policy="drafter", drafter=str(dpath),
+                            threads=2, verbose=False, kv_type="f16")
+        s.prefill(prompt)
+        for _ in s.generate(max_tokens=4, ignore_eos=True, temperature=0):
+            pass
+        assert s.policy.name == "drafter"
+        out[dev] = (s.tokens[-4:], s.pager.chunk_table()["block"] >= 0, s.pager.stats["page_outs"])
+    (tg, rg, pg), (tc, rc, pc) = out[gpu.device], out["cpu"]
+    print(f"DEVICE-PARITY {DEVICE} drafter: resident chunks agree on {int((rg == rc).sum())}/{rg.size}, "
+          f"page-outs {pg} vs {pc}")
+    assert pg > 0 and tg == tc
+    assert (rg == rc).mean() > 0.9
