@@ -195,11 +195,11 @@ def test_host_reads_of_the_pool_follow_the_copies(models):
     err = nmse(rg.attention_scores(), rc.attention_scores())
     report("host-read attention_scores", err, 1e-4)
     assert err < 1e-4
-    # the whole history's attention: the resident keys scored on the device (stock ops), the paged-out
-    # ones from the host store, merged into one softmax
+    # the whole history's attention: the resident keys read from the device, the paged-out ones from the
+    # host store, one softmax
     a, b = rg.history_attention(n_threads=1), rc.history_attention(n_threads=1)
     err = nmse(a, b)
-    report("history_attention (device share)", err, 1e-4)
+    report("history_attention", err, 1e-4)
     assert err < 1e-4
 
 

@@ -47,12 +47,19 @@ struct Runtime::Graph {
 
 Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::move(model)), cfg_(std::move(cfg)) {
     const Hparams &hp = model_->hparams();
+    backend_ = model_->backend();
+    if (!ggml_backend_is_cpu(backend_) && !remote()) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend_);
+        own_backend_.reset(dev ? ggml_backend_dev_init(dev, nullptr) : nullptr);
+        if (!own_backend_) throw std::runtime_error("cannot initialise a compute backend on " + model_->device().name());
+        backend_ = own_backend_.get();
+    }
     check_max_ctx(cfg_.max_ctx);
     if (cfg_.ubatch <= 0) throw std::invalid_argument("ubatch must be > 0");
     const ggml_type kvt = kv_type_from_name(cfg_.kv_type);
     if (cfg_.attn != "auto" && cfg_.attn != "ggml" && cfg_.attn != "pool")
         throw std::invalid_argument("attn must be 'auto', 'ggml' or 'pool', got '" + cfg_.attn + "'");
-    if (cfg_.attn == "pool" && !ggml_backend_is_cpu(model_->backend()))
+    if (cfg_.attn == "pool" && !ggml_backend_is_cpu(backend_))
         throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel; the model is on " +
                                     model_->device().name() + ": use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
     if (cfg_.attn == "pool" && remote())
@@ -90,7 +97,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     // On CUDA the pool is in device memory: PagedCache installs the async copy engine
     // (cuda::make_pool_mover, ordered against ggml's compute stream by events) and a pinned host slab.
     paged_ = std::make_unique<PagedMemory>(
-        std::make_unique<PagedCache>(model_->backend(), specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts));
+        std::make_unique<PagedCache>(backend_, specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts));
     memories_.push_back(paged_.get());
     recr_index_.assign(hp.n_layer, -1);
     int32_t n_recr = 0;
@@ -100,7 +107,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
         if (remote()) throw std::invalid_argument("a model with recurrent layers cannot place layers on RPC servers yet");
         if (cfg_.recurrent_snapshots < 1 || cfg_.recurrent_snapshots > 256)
             throw std::invalid_argument("recurrent_snapshots must be in [1, 256], got " + std::to_string(cfg_.recurrent_snapshots));
-        recr_ = std::make_unique<RecurrentState>(model_->backend(), n_recr, hp.ssm_conv_channels(), hp.ssm_d_conv,
+        recr_ = std::make_unique<RecurrentState>(backend_, n_recr, hp.ssm_conv_channels(), hp.ssm_d_conv,
                                                  hp.ssm_state_floats(), cfg_.recurrent_snapshots);
         memories_.push_back(recr_.get());
     }
@@ -119,7 +126,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
             paged_index_[il] = -2 - int32_t(ring_bufts.size());  // -2 - ring index
             ring_bufts.push_back(model_->layer_buft(il));
         }
-        ring_ = std::make_unique<SlidingRing>(model_->backend(), R, hp.n_swa, kvt, hp.n_embd_k(), hp.n_embd_v(),
+        ring_ = std::make_unique<SlidingRing>(backend_, R, hp.n_swa, kvt, hp.n_embd_k(), hp.n_embd_v(),
                                               ring_bufts);
         memories_.push_back(ring_.get());
     }
@@ -258,7 +265,7 @@ void Runtime::finish_graph(Graph &g) {
         // The scheduler places each node with its weights (a remote layer's on its server, the embedding
         // and head here; the CPU backend last, where graph inputs go) and copies what crosses devices.
         std::vector<ggml_backend_t> bs = model_->remote_backends();
-        bs.push_back(model_->backend());
+        bs.push_back(backend_);
         const size_t size = size_t(ggml_graph_size(g.gf)) * 2 + 1024;
         g.sched = ggml_backend_sched_new(bs.data(), nullptr, int(bs.size()), size, false, false);
         if (!g.sched) throw std::runtime_error("cannot create the graph scheduler");
@@ -267,30 +274,56 @@ void Runtime::finish_graph(Graph &g) {
         // What ggml's server would be sent: only ops on kvflash's list (rpc_op_allowed).
         for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
             ggml_tensor *t = ggml_graph_node(g.gf, i);
-            if (ggml_backend_sched_get_tensor_backend(g.sched, t) == model_->backend()) continue;
+            if (ggml_backend_sched_get_tensor_backend(g.sched, t) == backend_) continue;
             if (!rpc_op_allowed(t)) check_rpc_graph(g.gf, i, i + 1);   // throws, naming the node
         }
         return;
     }
-    if (!ggml_backend_is_cpu(model_->backend())) {
+    if (!ggml_backend_is_cpu(backend_)) {
         // Without a scheduler every node runs on the model's backend: refuse a graph
         // it cannot run here, with the op named, instead of an abort inside ggml.
         for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
             ggml_tensor *t = ggml_graph_node(g.gf, i);
-            if (ggml_backend_supports_op(model_->backend(), t)) continue;
+            if (ggml_backend_supports_op(backend_, t)) continue;
             std::string srcs;
             for (int j = 0; j < GGML_MAX_SRC && t->src[j]; ++j) srcs += std::string(j ? ", " : "") + ggml_type_name(t->src[j]->type);
-            throw std::runtime_error(std::string("the ") + ggml_backend_name(model_->backend()) + " backend cannot run " +
+            throw std::runtime_error(std::string("the ") + ggml_backend_name(backend_) + " backend cannot run " +
                                      ggml_op_desc(t) + " (node '" + ggml_get_name(t) + "', inputs " + srcs + ") for kv_type " +
                                      cfg_.kv_type + "; try another kv_type or device='cpu'");
         }
     }
-    g.alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model_->backend()));
+    if (reserving_) return;   // the worst case of a slot: only its op check and its size (below)
+    if (own_backend_ && graph_slot_ >= 0) {
+        auto &a = dev_alloc_[graph_slot_];
+        if (!a) {
+            // The slot's largest graph first: every paged position attended (n_kv = the pool), the most
+            // tokens a piece has (ubatch) with all their logits; later graphs fit in its buffer.
+            a.reset(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_)));
+            Graph worst;
+            const int32_t slot = graph_slot_;
+            EvalOptions wopt;
+            wopt.capture_all = cfg_.capture_queries > 0;
+            reserving_ = true;
+            try {
+                build(worst, slot == 0 ? 1 : std::max(2, cfg_.ubatch), paged_->pool().pool_tokens(), slot == 1, wopt);
+            } catch (...) {
+                reserving_ = false;
+                throw;
+            }
+            reserving_ = false;
+            graph_slot_ = slot;
+            if (!ggml_gallocr_reserve(a.get(), worst.gf))
+                throw std::runtime_error("cannot allocate the compute graph on " + model_->device().name());
+        }
+        if (!ggml_gallocr_alloc_graph(a.get(), g.gf)) throw std::runtime_error("cannot allocate the compute graph");
+        return;
+    }
+    g.alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
     if (!ggml_gallocr_alloc_graph(g.alloc, g.gf)) throw std::runtime_error("cannot allocate the compute graph");
 }
 
 bool Runtime::use_pool_attn(int32_t n) const {
-    if (!ggml_backend_is_cpu(model_->backend()) || remote()) return false;
+    if (!ggml_backend_is_cpu(backend_) || remote()) return false;
     if (cfg_.attn == "ggml") return false;
     if (cfg_.attn == "pool") return true;
     return n <= cfg_.pool_attn_max_tokens;
@@ -305,7 +338,14 @@ Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits, con
     auto t0 = clk::now();
     slot.reset();  // its allocator's buffer goes before the new one is made
     auto g = std::make_unique<Graph>();
-    build(*g, n, n_kv, all_logits, opt);  // may throw: the slot is only filled with a complete graph
+    graph_slot_ = opt.exact ? -1 : n == 1 ? 0 : 1;
+    try {
+        build(*g, n, n_kv, all_logits, opt);  // may throw: the slot is only filled with a complete graph
+    } catch (...) {
+        graph_slot_ = -1;
+        throw;
+    }
+    graph_slot_ = -1;
     slot = std::move(g);
     stats_.t_graph_ms += ms_since(t0);
     return slot.get();
@@ -314,10 +354,10 @@ Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits, con
 void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, EvalOptions opt) {
     const Hparams &hp = model_->hparams();
     if (n <= 0) throw std::invalid_argument("eval: need at least one token");
-    if (opt.exact && !ggml_backend_is_cpu(model_->backend()))
+    if (opt.exact && !ggml_backend_is_cpu(backend_))
         throw std::invalid_argument("eval: exact attention reads the host store from kvflash's CPU kernel; the model is on " +
                                     model_->device().name() + " (exact mode runs on the CPU backend only: device='cpu')");
-    if (opt.one_row_products && !ggml_backend_is_cpu(model_->backend()))
+    if (opt.one_row_products && !ggml_backend_is_cpu(backend_))
         throw std::invalid_argument("eval: one-row products are the CPU backend's arithmetic; the model is on " +
                                     model_->device().name());
     if ((opt.exact || opt.one_row_products) && remote())
@@ -413,7 +453,7 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
             // share its CPU work buffer and thread pool (or its CUDA stream).
             std::lock_guard<std::mutex> lock(model_->compute_mutex());
             const ggml_status st = g->sched ? ggml_backend_sched_graph_compute(g->sched, g->gf)
-                                            : ggml_backend_graph_compute(model_->backend(), g->gf);
+                                            : ggml_backend_graph_compute(backend_, g->gf);
             if (st != GGML_STATUS_SUCCESS) throw std::runtime_error("eval: graph compute failed");
             sync_for_host_read();
         }
@@ -678,7 +718,7 @@ void Runtime::reset() {
 
 void Runtime::sync_for_host_read() const {
     paged_->pool().fence();                       // queued page-outs/ins done (copy stream)
-    ggml_backend_synchronize(model_->backend()); // queued kernels done (compute stream)
+    ggml_backend_synchronize(backend_); // queued kernels done (compute stream)
 }
 
 void Runtime::chunk_keys(int32_t c, int32_t il, float *out) const {

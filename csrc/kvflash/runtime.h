@@ -15,6 +15,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ggml-alloc.h"
@@ -189,13 +190,19 @@ public:
     // op with attn="pool"/"auto"; attn="ggml" graphs are made of stock ops).  Builds a graph, runs nothing.
     void check_remote_ops(int32_t n);
 
+    // Where this runtime computes: the model's backend on the CPU (and with RPC servers); on a GPU a
+    // backend of its own on the model's device (ggml_backend_dev_init), so one runtime's buffers and
+    // graphs never share a device context's scratch state with another's (ggml-vulkan keeps scratch
+    // buffers per context and crashed lavapipe when they grew after another runtime's buffers were freed).
+    ggml_backend_t backend() const { return backend_; }
+
 private:
     friend class Snapshot;   // snapshot.cpp: n_past and the captured queries
     struct Graph;
     Graph *get_graph(int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt);
     bool use_pool_attn(int32_t n) const;
     void build(Graph &g, int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt);
-    void finish_graph(Graph &g);   // backend op check + allocation
+    void finish_graph(Graph &g);   // backend op check + allocation (a GPU runtime: its slot's reserved allocator)
     void eval_piece(const int32_t *tokens, int32_t n, bool all_logits, float *logits_out, const EvalOptions &opt);
     void set_masks(Graph &g, int64_t pos0, int32_t n, const int32_t *slots, int32_t n_kv);
     void set_exact_rows(Graph &g, int64_t pos0, int32_t n);   // the row tables and causal mask of an exact piece
@@ -206,6 +213,17 @@ private:
 
     std::shared_ptr<Model> model_;
     RuntimeConfig cfg_;
+    // Declared before every member that holds device buffers or graphs: it is destroyed after them.
+    struct BackendFree { void operator()(ggml_backend_t b) const { ggml_backend_free(b); } };
+    std::unique_ptr<ggml_backend, BackendFree> own_backend_;   // a GPU runtime's own context, or none
+    ggml_backend_t backend_ = nullptr;
+    // A GPU runtime's compute buffers: one allocator per graph slot (decode, batch), reserved at first
+    // use for the slot's largest graph (n_kv = the pool, n = ubatch for the batch slot), so graphs of
+    // other sizes reuse the buffer instead of freeing and allocating device memory per shape.
+    struct AllocFree { void operator()(ggml_gallocr_t a) const { ggml_gallocr_free(a); } };
+    std::unique_ptr<std::remove_pointer_t<ggml_gallocr_t>, AllocFree> dev_alloc_[2];
+    int graph_slot_ = -1;      // the slot get_graph is building for (-1: none)
+    bool reserving_ = false;   // building a slot's worst case: finish_graph checks it and allocates nothing
     bool full_cache_ = false;
     int32_t n_eval_layers_ = 0;           // layers evaluated (all, or eval_layers)
     std::unique_ptr<PagedMemory> paged_;  // the paged layers' KV: pool, pager, host store

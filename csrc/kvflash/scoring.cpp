@@ -146,8 +146,7 @@ void gather_history_rows(const Runtime &rt, int32_t il, int32_t n_chunks, int64_
     }
 }
 
-// ---- the remote share: a layer whose pool slice is on an RPC server (Model::remote_layers) or in a GPU's
-// memory (the model's own backend): "the server" below is that device
+// ---- the remote share: a layer whose pool slice is on an RPC server (Model::remote_layers)
 //
 // The softmax of a query head runs over the whole history, part resident on the server, part in the
 // client's host store.  Round 1: the server computes, per (query, head), the max and the sum of exps of
@@ -379,23 +378,23 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
     std::vector<int64_t> qpos(q_count);
     for (int32_t i = 0; i < q_count; ++i) qpos[i] = n_past - nc + q_first + i;
 
-    // Token scores of layers whose pool slice is on an RPC server or a GPU are computed there (the keys stay
-    // on that device: remote_history_attention); the rest from rows read here.
+    // Token scores of layers whose pool slice is on an RPC server are computed there (the keys stay on the
+    // server: remote_history_attention); the rest from rows read here.
     std::vector<int32_t> local;
     std::vector<RemoteShare> remote;
     const Model &model = rt.model();
-    // A GPU's pool is scored the same way on its own backend: the resident keys never leave the device.
+    // A GPU's pool is read here like a local one (tensor get of the resident rows): scoring it on the device
+    // with this path's per-call buffers crashed lavapipe (issue 39's note), so that waits for reserved ones.
     for (int32_t il = 0; il < L; ++il) {
         const int32_t r = model.layer_remote(pool.layer(il).layer);
-        if (per_chunk || groups || pool.layer_host_accessible(il)) {
+        if (r < 0 || per_chunk || groups || pool.layer_host_accessible(il)) {
             local.push_back(il);
             continue;
         }
-        ggml_backend_t be = r >= 0 ? model.remote_backends()[size_t(r)] : model.backend();
+        ggml_backend_t be = model.remote_backends()[size_t(r)];
         auto it = std::find_if(remote.begin(), remote.end(), [&](const RemoteShare &x) { return x.backend == be; });
         if (it == remote.end()) {
-            remote.push_back({rt, be, r >= 0 ? model.layer_buft(pool.layer(il).layer)
-                                             : ggml_backend_get_default_buffer_type(model.backend()), {}});
+            remote.push_back({rt, be, model.layer_buft(pool.layer(il).layer), {}});
             it = remote.end() - 1;
         }
         it->layers.push_back(il);
