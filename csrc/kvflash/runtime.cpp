@@ -94,8 +94,8 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
     }
     if (!remote()) layer_bufts.clear();
     const HostStore::Backing backing = parse_host_backing(cfg_.host, cfg_.host_path);
-    // On CUDA the pool is in device memory: PagedCache installs the async copy engine
-    // (cuda::make_pool_mover, ordered against ggml's compute stream by events) and a pinned host slab.
+    // On a GPU the pool is in device memory: PagedCache pages it through async copies on this runtime's
+    // backend into the device's pinned host buffers (pool.cpp).
     paged_ = std::make_unique<PagedMemory>(
         std::make_unique<PagedCache>(backend_, specs, kvt, kvt, pc, backing, cfg_.host_path, layer_bufts));
     memories_.push_back(paged_.get());
