@@ -248,7 +248,7 @@ def test_bad_arguments_are_clear(tiny, capsys):
     assert "unknown" in capsys.readouterr().err
     for bad in (["ruler", "--policies", "qk:x3"], ["ruler", "--policies", "qk:q0"], ["needle", "--policies", "qk:q"],
                 ["ruler", "--tasks", "single,nope"], ["ruler", "--haystacks", "prose"], ["ruler", "--chunk-tokens", "48"],
-                ["ruler", "--split", "tuning-indirect"]):
+                ["ruler", "--split", "tuning-indirect"], ["paging", "--device", "tpu"], ["decode", "--device", "cuda:x"]):
         with pytest.raises(SystemExit):
             cli.main(bad)
         assert "error" in capsys.readouterr().err, bad

@@ -162,6 +162,8 @@ max_host_bytes > 0 caps the host store: a page-out past it raises RuntimeError
             for (int32_t i = 0; i < s.pool->n_layers(); ++i) b.push_back(s.pool->layer_chunk_bytes(i));
             return b;
         }, "Bytes one chunk moves per layer on a page event (K and V rows): a remote layer's share of the wire.")
+        .def("fence", [](PagerRef &s) { InUse use(s.busy); s.pool->fence(); },
+             "Wait until every queued page-out and page-in has completed (on the CPU they complete in place).")
         .def("read_rows", [](PagerRef &s, int32_t layer, bool v) {
             InUse use(s.busy);
             if (layer < 0 || layer >= s.pool->n_layers())

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", default=None,
                    help="model name or GGUF path (default smollm2-135m; ruler --preset standard: gemma3-270m)")
     p.add_argument("--threads", "-t", type=int, help="compute threads (default: physical cores)")
+    p.add_argument("--device", default=None,
+                   help="where sessions compute: cpu (default), vulkan[:N], cuda[:N] or auto, as Session(device=...) "
+                        "takes it (memory, paging and decode measure the device's pool; lavapipe needs "
+                        "GGML_VK_VISIBLE_DEVICES=0)")
     p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
     p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
     p.add_argument("--policy", default=None,
@@ -242,6 +246,8 @@ def config_for(args, routine: str) -> BenchConfig:
     cfg.drafter_spread = args.drafter_spread
     cfg.tau = args.tau
     cfg.seed = args.seed
+    if args.device is not None:
+        cfg.device = args.device
     for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
                     ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths"),
                     ("rescore_periods", "rescore_periods"), ("control", "control"), ("split", "split"),
@@ -263,6 +269,12 @@ def config_for(args, routine: str) -> BenchConfig:
 
 
 def _validate(p: argparse.ArgumentParser, args) -> None:
+    if args.device is not None:
+        from kvflash.devices import resolve_device
+        try:
+            args.device = resolve_device(args.device)
+        except ValueError as e:
+            p.error(f"--device: {e}")
     for k in ("threads", "repeats", "decode_steps", "needles", "tau", "rescore_periods", "clients", "parallel",
               "client_prompt", "client_tokens", "exact_prompts", "exact_tokens", "load_seconds"):
         v = getattr(args, k)

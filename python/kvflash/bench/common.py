@@ -70,6 +70,9 @@ class BenchConfig:
     exact_draft: Optional[int] = None      # exact: drafts per round (None: the session's adaptive choice)
     exact_prefill: bool = False            # kvflash sessions prefill as the full cache does (Session(exact_prefill=True))
     seed: int = 1234
+    # where sessions compute: "cpu", or a GPU as Session takes it ("vulkan:0", "cuda:0", "auto"); memory, paging
+    # and decode measure the device's pool there (paging: a standalone Pager on the device)
+    device: str = "cpu"
     quiet: bool = False
 
     def to_dict(self) -> dict:
@@ -334,6 +337,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
     from kvflash.models import resolve_model
     kw = dict(model=cfg.model, max_ctx=max_ctx, kvflash=pool, kv_type=cfg.kv_type, threads=cfg.threads,
               tau=cfg.tau, seed=cfg.seed, verbose=False, **session_kw)
+    if cfg.device != "cpu":
+        kw["device"] = cfg.device
     n_train = _n_ctx_train(cfg)
     if max_ctx > n_train:
         kw["allow_long_ctx"] = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..common import MIB, BenchConfig, Progress, Unavailable, ctx_label, kv_resident_bytes, open_session, text_tokens
+from ..common import MIB, WEIGHT_PLACEMENT, BenchConfig, Progress, Unavailable, ctx_label, kv_resident_bytes, open_session, text_tokens
 from ..report import Result
 from ._shared import BASE_COLS, _base, _long_note
 
@@ -60,7 +60,7 @@ def _memory_cell(cfg: BenchConfig, D: int, pool, host: str) -> dict:
                 "chunk_bytes": pg.chunk_bytes, "chunk_tokens": pg.chunk_tokens, "stats": s.stats,
                 "pager_stats": pg.stats, "resident_bytes": kv_resident_bytes(s), "pool_bytes": s.runtime.pool_bytes,
                 "swa_bytes": s.runtime.swa_bytes, "auto_reason": s.auto_reason, "mem": mem,
-                "prefill_s": prefill_s}
+                "prefill_s": prefill_s, "placement": (s.model_path.name, list(s.runtime.model.weight_placement))}
     finally:
         if tmp:
             tmp.cleanup()
@@ -107,6 +107,7 @@ def run_memory(cfg: BenchConfig) -> Result:
                     pb.advance(1)
                     continue
                 c = _in_fresh_process(_memory_cell, cfg, D, pool, host)
+                WEIGHT_PLACEMENT[c["placement"][0]] = c["placement"][1]   # the cell's process opened the model
                 st, mem = c["stats"], c["mem"]
                 res_b = c["resident_bytes"]
                 if label == "full":
@@ -134,6 +135,10 @@ def run_memory(cfg: BenchConfig) -> Result:
                                 "swa_bytes": c["swa_bytes"], "auto_reason": c["auto_reason"], "proc_mem": mem,
                                 "floor_mem": floor})
                 pb.advance(1, note=f"{ctx_label(D)} {label} {host}")
+    if cfg.device != "cpu":
+        res.notes.append(f"sessions on {cfg.device}: KV resident is the size of the buffers the pool (and sliding "
+                         f"rings) hold in the device's memory; host = the device's pinned host buffers; RSS is this "
+                         f"process's (on lavapipe the device's memory is this process's RAM too)")
     res.notes += ["KV resident = pool_bytes + swa_bytes (all paged and sliding-window KV the device holds); on "
                   "the CPU backend this is RAM too",
                   "host used = KV bytes in the host store after the context's positions were written; host reserved "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common import BenchConfig, Progress, summarize
+from ..common import WEIGHT_PLACEMENT, BenchConfig, Progress, summarize
 from ..report import Result
 from ._shared import BASE_COLS, _base
 
@@ -53,11 +53,14 @@ def run_paging(cfg: BenchConfig) -> Result:
     bytes evicted from the CPU caches first (a buffer twice the last-level cache is streamed before each
     recall); warm page-in: recalled right after its own eviction.  The memcpy rows copy the same bytes
     from a buffer in the same state (flushed, or just written)."""
+    if cfg.device != "cpu":
+        return _run_paging_device(cfg)
     # Long on purpose: seven measurements on one pager in a fixed order (cold before warm, cache flushes between),
     # each depending on the state the previous left; one place keeps that order visible.
     import kvflash
     from kvflash.models import resolve_model
     m = kvflash.Model(str(resolve_model(cfg.model)), 1)
+    WEIGHT_PLACEMENT[Path(m.path).name] = list(m.weight_placement)
     hp = m.hparams
     n_layers = len(m.global_layers)
     n_embd_k = hp["head_dim"] * hp["n_head_kv"]
@@ -189,4 +192,81 @@ def run_paging(cfg: BenchConfig) -> Result:
     if ext is not None:
         res.notes.append(f"bench_pager.py found at {getattr(ext, '__file__', '?')}: run it for the pager "
                          f"micro-benchmarks it adds")
+    return res
+
+
+def _run_paging_device(cfg: BenchConfig) -> Result:
+    """Page-out / page-in per chunk through a GPU's pool (Pager(device=...): the pool in device memory, the host
+    store in the device's pinned host buffers, each page event an async copy on the device's queue).  One: a
+    single chunk's page event and then Pager.fence(), i.e. its latency to completion.  Queued: every evictable
+    chunk's page events issued back to back and one fence, per chunk (what a reselect or a prefill's evictions
+    pay).  clean: a recalled, unmodified chunk evicted again (its host copy is current: no copy)."""
+    import kvflash
+    from kvflash.models import resolve_model
+    m = kvflash.Model(str(resolve_model(cfg.model)), 1)
+    WEIGHT_PLACEMENT[Path(m.path).name] = list(m.weight_placement)
+    hp = m.hparams
+    n_layers = len(m.global_layers)
+    n_embd_k = hp["head_dim"] * hp["n_head_kv"]
+    ops = ["page_out_one", "page_in_one", "page_out_queued", "page_in_queued", "page_out_clean"]
+    res = Result("paging", f"paging cost per 64-token chunk through {cfg.device}'s pool ({n_layers} layers × K+V, "
+                 f"{cfg.kv_type}; median ± spread over chunks × {cfg.repeats} repeats)",
+                 BASE_COLS + [("device", "device"), ("pool", "pool"), ("op", "op"), ("per", "per"), ("ms", "ms"),
+                              ("gib_s", "GiB/s")])
+    rng = np.random.default_rng(cfg.seed)
+
+    def timed(fn):
+        t0 = time.perf_counter_ns()
+        fn()
+        return (time.perf_counter_ns() - t0) / 1e6
+
+    chunk_b = None
+    with Progress(len(cfg.pools) * cfg.repeats, "paging", cfg.quiet) as pb:
+        for pool in cfg.pools:
+            samples = {k: [] for k in ops}
+            for r in range(cfg.repeats):
+                p = kvflash.Pager(pool_tokens=pool, max_ctx=pool * 4, n_layers=n_layers, n_embd_k=n_embd_k,
+                                  kv_type=cfg.kv_type, device=cfg.device)
+                C, chunk_b = p.chunk_tokens, p.chunk_bytes
+                slots = np.arange(pool, dtype=np.int64)
+                for layer in range(n_layers):   # every row written, so a page-out moves real bytes
+                    for v in (False, True):
+                        rows = p.read_rows(layer, v=v)
+                        p.write_rows(layer, slots, rng.integers(0, 255, rows.shape, dtype=np.uint8), v=v)
+                for c in range(pool // C):
+                    p.alloc_span(c * C, C)
+                p.fence()
+                table = p.chunk_table()
+                victims = [c for c in range(pool // C) if table["block"][c] >= 0 and not table["protected"][c]]
+
+                def one(op, c):
+                    return timed(lambda: (op(c), p.fence()))
+                half = victims[: len(victims) // 2]
+                rest = victims[len(victims) // 2:]
+                samples["page_out_one"] += [one(p.evict, c) for c in half]      # dirty: the device -> host copy
+                samples["page_in_one"] += [one(p.recall, c) for c in half]      # host -> device
+                samples["page_out_clean"] += [one(p.evict, c) for c in half]    # recalled, unmodified: no copy
+                for c in half:
+                    p.recall(c)
+                p.fence()
+                ms = timed(lambda: ([p.evict(c) for c in rest], p.fence()))
+                samples["page_out_queued"].append(ms / len(rest))
+                ms = timed(lambda: ([p.recall(c) for c in rest], p.fence()))
+                samples["page_in_queued"].append(ms / len(rest))
+                p.check_invariants()
+                pb.advance(1, note=f"pool {pool}")
+            for op in ops:
+                st = summarize(samples[op])
+                row = {**_base(cfg), "device": cfg.device, "pool": pool, "op": op,
+                       "per": "chunk" if op.endswith("one") or op.endswith("clean") else
+                       "chunk, all queued then one fence", "ms": st}
+                if not op.endswith("clean") and st["median"]:
+                    row["gib_s"] = chunk_b / 2**30 / (st["median"] / 1e3)
+                res.rows.append(row)
+                res.raw += [{**_base(cfg), "device": cfg.device, "pool": pool, "op": op, "ms": v} for v in samples[op]]
+    res.notes += [f"chunk = {chunk_b} bytes ({chunk_b / 2**20:.2f} MiB) over every paged layer's K and V; timed from "
+                  "Python around the native calls and Pager.fence() (the copies completed)",
+                  "one: a single chunk's page event, then fence; queued: the evictable chunks' page events issued "
+                  "back to back (half the pool's evictable chunks), one fence, time / chunks; page_out_clean: a recalled, "
+                  "unmodified chunk evicted again (its host copy is current, so nothing is copied)"]
     return res
