@@ -518,6 +518,9 @@ void Model::place_weights(int32_t threads) {
             ggml_backend_tensor_set(nth(i), file_bytes(i), 0, ggml_nbytes(nth(i)));  // synchronous
             weight_bytes_ += ggml_nbytes(nth(i));
         }
+        repacked_.push_back(device_.name() + " " + ggml_backend_dev_description(dev) + " (" +
+                            ggml_backend_buft_name(ggml_backend_dev_buffer_type(dev)) + ", the backend's kernels), every tensor: " +
+                            mib(weight_bytes_));
         ::munmap(map_, map_bytes_);
         map_ = nullptr;
         map_bytes_ = 0;

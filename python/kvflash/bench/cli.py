@@ -341,6 +341,11 @@ def main(argv: Optional[list] = None) -> int:
     quiet = cfgs[0].quiet
     t0 = time.perf_counter()
     machine = machine_info()
+    if cfgs[0].device != "cpu":   # where the sessions computed: "vulkan:0 (llvmpipe (LLVM 15.0.6, 256 bits))"
+        kind, _, idx = cfgs[0].device.partition(":")
+        name = ("CUDA" if kind == "cuda" else "Vulkan") + (idx or "0")
+        desc = next((d["description"] for d in machine.get("devices") or [] if d.get("name") == name), None)
+        machine["backend"] = cfgs[0].device + (f" ({desc})" if desc else "")
     results = []
     try:
         for cfg in cfgs:

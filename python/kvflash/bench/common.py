@@ -279,7 +279,8 @@ def machine_info() -> dict:
         "logical_cpus": os.cpu_count(),
         "ram_total_gib": None if mem_total is None else round(mem_total / 2**30, 1),
         "ram_available_gib": round(available_ram() / 2**30, 1),
-        "backend": getattr(_core, "backend", "CPU"),
+        "backend": getattr(_core, "backend", "CPU"),   # the routines' device replaces it (cli.main)
+        "devices": info.get("devices"),                 # what ggml sees in this build (GPU backends' devices, the CPU)
         "ggml_version": kvflash.ggml_version,
         "ggml_commit": kvflash.ggml_commit,
         "kvflash_version": kvflash.__version__,
