@@ -192,11 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-counts", type=_int_list, default=None,
                    help="attention: thread counts, comma list (default 1,2)")
     p.add_argument("--tasks", type=_str_list, default=None,
-                   help="ruler: tasks, comma list of single, multikey, multivalue, multiquery, aggregate (default all)")
+                   help="ruler: tasks, comma list of single, multikey, multivalue, multiquery, aggregate (the default "
+                        "five) and RULER's vt (variable tracking), cwe (common words), fwe (frequent words)")
     p.add_argument("--residencies", type=_int_list, default=None,
                    help="ruler: pools of context/N for the needle tasks, comma list of N (default 8,16,32)")
     p.add_argument("--aggregate-residencies", type=_int_list, default=None,
-                   help="ruler: the same for the aggregation guard (default 4,8)")
+                   help="ruler: the same for the list tasks: the aggregation guard, cwe, fwe (default 4,8)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
     p.add_argument("--prefill-piece", type=int, default=None,
