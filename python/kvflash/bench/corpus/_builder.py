@@ -22,6 +22,8 @@ class Trial:
     needle: str = ""   # the needle unit as placed
     genre: str = ""
     ask: str = "chat"
+    needle_at: int = 0   # characters of the document before the needle
+    doc_chars: int = 0   # characters of the document, needle included
 
 
 def draw_value(rng: random.Random, kind: str, split: str) -> str:
@@ -76,6 +78,7 @@ class NeedleBuilder:
         first = stream.units[0].at
         overhead = len(self.render(w["needle"].format(v=value, **first), w, first, stream.units[1].at))
         budget = max(1, n_tokens - overhead - 8)
+        best, too_long = None, False
         for _ in range(8):
             k = stream.take(budget)
             units, sizes = stream.units[:k], stream.sizes[:k]
@@ -98,14 +101,24 @@ class NeedleBuilder:
                 if tries > 1000:
                     raise ValueError(f"no {w['kind']} value absent from the {self.genre} document")
             needle = w["needle"].format(v=value, **at)
-            body = "".join(u.text for u in units[:cut]) + needle + "".join(u.text for u in units[cut:])
+            pre = "".join(u.text for u in units[:cut])
+            body = pre + needle + "".join(u.text for u in units[cut:])
             ids = self.render(body, w, at, end)
             if len(ids) <= n_tokens:
-                return Trial(i, depth, value, wi, ids, needle_token=acc + (overhead if self.ask == "chat" else 0) // 2,
-                             needle=needle, genre=self.genre, ask=self.ask)
-            budget -= len(ids) - n_tokens + 16
-            if budget < 1:
-                break
+                if best is None or len(ids) > len(best.ids):
+                    best = Trial(i, depth, value, wi, ids,
+                                 needle_token=acc + (overhead if self.ask == "chat" else 0) // 2, needle=needle,
+                                 genre=self.genre, ask=self.ask, needle_at=len(pre), doc_chars=len(body))
+                if n_tokens - len(ids) <= 32 or too_long:   # close enough, or the next unit up overflowed
+                    return best
+                budget += n_tokens - len(ids) - 8   # units counted alone count a little more than joined
+            else:
+                too_long = True
+                budget -= len(ids) - n_tokens + 16
+                if budget < 1:
+                    break
+        if best is not None:
+            return best
         raise ValueError(f"could not fit a {self.genre} needle prompt in {n_tokens} tokens")
 
 
