@@ -206,6 +206,12 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
             assert r["trials"] == n and 0 <= r["score"] <= 100 and r["full"] == first["score"], r
             if r["policy"] != "full":
                 assert r["pool"] == 256 and r["residency"] == "1/4", r
+            if "chat" in extra[extra.index("--haystacks") + 1]:   # a corpus genre: the score per haystack
+                assert (r.get("by_haystack") or "").startswith("chat ") == (r["task"] not in LIST_TASKS), r
+                if r["task"] not in LIST_TASKS:
+                    assert ", filler " in r["by_haystack"], r
+            else:
+                assert "by_haystack" not in r, r
             if r["policy"] in ("qk", "drafter", "qk:q16:c0") and r["task"] not in LIST_TASKS:
                 assert r["ranks"].endswith("(10)"), r   # 16 chunks - sink - 4 tail - the open one
         assert any("16 chunks of 16" in n for n in res["notes"])

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session, qk_variant
 from ..report import Result
-from ..ruler import LIST_TASKS, RulerBuilder, score
+from ..ruler import GENRE_HAYSTACKS, LIST_TASKS, RulerBuilder, score
 from ._shared import BASE_COLS, _base, _long_note, passkey_chunks, rank_of
 
 
@@ -122,7 +122,9 @@ def run_ruler(cfg: BenchConfig) -> Result:
                               ("pool", "pool"), ("policy", "policy"), ("trials", "trials"), ("score", "score %"),
                               ("full", "full cache %"), ("of_full", "of full"), ("all", "all values"),
                               ("kept", "needed chunks kept"), ("ranks", "worst needed rank (free slots)"),
-                              ("rescore_ms", "prompt rescore ms"), ("decode_ms", "ms/token")])
+                              ("rescore_ms", "prompt rescore ms"), ("decode_ms", "ms/token")] +
+                 # per haystack when a corpus genre is among them (the per-genre breakdown)
+                 ([("by_haystack", "score % by haystack")] if set(hays) & set(GENRE_HAYSTACKS) else []))
     tmp = tempfile.mkdtemp(prefix="kvflash-ruler-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     snap = os.path.join(tmp, "prefill.kvfs")
     with Progress(n_trials, "ruler", cfg.quiet) as pb:
@@ -268,11 +270,22 @@ def _rows(cfg: BenchConfig, res: Result, done: dict, ctxs: list, tasks: list, ha
                 continue
             full = [next(m for m in r["modes"] if m["policy"] == "full") for r in recs]
             fscore = 100.0 * statistics.mean(m["score"] for m in full)
+            by_hay = task not in LIST_TASKS and bool(set(hays) & set(GENRE_HAYSTACKS))
+
+            def per_hay(pick) -> str:
+                """'code 50, chat 0': the cell's mean score per haystack, in the order asked for."""
+                out = []
+                for h in hays:
+                    xs = [m["score"] for r in recs if r["haystack"] == h for m in r["modes"] if pick(m)]
+                    if xs:
+                        out.append(f"{h} {100.0 * statistics.mean(xs):.0f}")
+                return ", ".join(out)
             base = {**_base(cfg), "threads": cfg.threads, "context": D, "task": task}
             res.rows.append({**base, "residency": "1", "pool": "-", "policy": "full", "trials": len(recs),
                              "score": round(fscore, 1), "full": round(fscore, 1), "of_full": "1.00",
                              "all": f"{sum(m['score'] == 1.0 for m in full)}/{len(full)}",
-                             "decode_ms": _ms_per_token(full)})
+                             "decode_ms": _ms_per_token(full),
+                             **({"by_haystack": per_hay(lambda m: m["policy"] == "full")} if by_hay else {})})
             for r in _residencies(cfg, task):
                 for pol in policies:
                     ms = [m for rec in recs for m in rec["modes"] if m["residency"] == r and m["policy"] == pol]
@@ -284,6 +297,8 @@ def _rows(cfg: BenchConfig, res: Result, done: dict, ctxs: list, tasks: list, ha
                            "of_full": "-" if fscore == 0 else f"{sc / fscore:.2f}",
                            "all": f"{sum(m['score'] == 1.0 for m in ms)}/{len(ms)}",
                            "decode_ms": _ms_per_token(ms)}
+                    if by_hay:
+                        row["by_haystack"] = per_hay(lambda m, r=r, pol=pol: m["residency"] == r and m["policy"] == pol)
                     if task not in LIST_TASKS:
                         row["kept"] = f"{sum(all(m['kept']) for m in ms)}/{len(ms)}"
                     if pol != "lru":
