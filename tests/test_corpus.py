@@ -65,7 +65,7 @@ def test_splits_share_no_text():
 
 
 def test_wordings_disjoint():
-    """Each genre has >= 3 wordings per split; tuning and reporting share no needle, question, answer prefix
+    """Each genre has >= 4 wordings per split (all three value kinds); tuning and reporting share no needle, question, answer prefix
     or raw continuation, and no word of 5+ letters outside the generic ones; name values never overlap."""
     from kvflash.bench.corpus._wordings import GENERIC
     def content(w):
@@ -77,14 +77,14 @@ def test_wordings_disjoint():
     for genre in corpus.GENRES:
         ws = {sp: corpus.wordings(genre, sp) for sp in corpus.SPLITS}
         for sp in corpus.SPLITS:
-            assert len(ws[sp]) >= 3 and {w["kind"] for w in ws[sp]} == {"number", "code", "name"}, genre
+            assert len(ws[sp]) >= 4 and {w["kind"] for w in ws[sp]} == {"number", "code", "name"}, genre
             n[sp] += len(ws[sp])
         for key in ("needle", "question", "answer", "raw"):
             assert not {w[key] for w in ws["tuning"]} & {w[key] for w in ws["reporting"]}, (genre, key)
         tw = set().union(*(content(w) for w in ws["tuning"]))
         rw = set().union(*(content(w) for w in ws["reporting"]))
         assert not tw & rw, (genre, tw & rw)
-    assert n["tuning"] >= 30 and n["reporting"] >= 30
+    assert n["tuning"] >= 40 and n["reporting"] >= 40
     for bad in ("tuning-indirect", "", None):   # no default split, nothing else accepted
         with pytest.raises(ValueError, match="split"):
             corpus.document("code", bad, 1, n_chars=100)
@@ -94,14 +94,14 @@ def test_wordings_disjoint():
 
 @pytest.mark.parametrize("split", corpus.SPLITS)
 def test_needles_at_depth_and_recoverable(session, split):
-    """Every genre, both asks, depths 10/50/90: the prompt fits, holds its needle (the value once) about where
+    """Every genre, both asks, every wording, depths 10/50/90/30: the prompt fits, holds its needle (the value once) about where
     asked, and ends with the question (chat) or the genre's own continuation (raw)."""
     from kvflash.bench.needle import make_builder
     s = session
     for genre in corpus.GENRES:
         for ask in corpus._builder.ASKS:
             b = make_builder(s, 1234, split, genre, ask=ask)
-            for i, depth in enumerate((10, 50, 90)):
+            for i, depth in enumerate((10, 50, 90, 30)):   # every wording (i mod 4)
                 t = b.trial(i, 1200, [depth])
                 text = s.detokenize(t.ids)
                 assert 1200 - 250 <= len(t.ids) <= 1200, (genre, ask, len(t.ids))   # within a unit (fiction's ~250)

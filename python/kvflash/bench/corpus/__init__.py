@@ -11,14 +11,16 @@ A document has any size: `document(genre, split, seed, index, n_chars=N)` takes 
 characters fit N, or `n_tokens=N, count=fn` while their token counts (`fn(text)`, e.g. a tokenizer's
 length) fit.  It is fixed by (split, genre, seed, index).
 
-Needles (`_wordings.py`): three wordings per genre and split, each a unit in the genre's own form (a code
+Needles (`_wordings.py`): four wordings per genre and split (three direct, one indirect: its question
+paraphrases the needle), each a unit in the genre's own form (a code
 comment, a chat message, the note cell of a CSV row, a sentence of an article, a "Note:" line of a manual, a
 line of dialogue, a log line, a contract clause, a line of an e-mail body, a YAML key or comment) holding a
 value of one kind (number: 5 digits; code: e.g. "KT-4821"; name: a person's name), asked two ways: through
 the chat template (`question`, the assistant turn primed with `answer`) and as a raw completion (`raw`:
 the document continued in its own form up to where the value belongs, e.g. ``GEOCODER_LICENSE_KEY = "``).
 `NeedleBuilder` (`_builder.py`) places a needle after the unit where the running token count crosses the
-trial's depth and checks that the value occurs once in the prompt.
+trial's depth (trial i: wording i mod 4, depth i mod len(depths), so wordings and depths are not tied) and
+checks that the value occurs once in the prompt.
 
 Splits -- **tuning** (what parameters may be chosen on) and **reporting** (what committed figures are
 measured on) -- are kept apart three ways, each by construction, not by chance:

@@ -38,7 +38,7 @@ def draw_value(rng: random.Random, kind: str, split: str) -> str:
 
 class NeedleBuilder:
     """Needle trials of one genre and split for one tokenizer.  A trial is fixed by (split, genre, seed,
-    index): its document (`corpus.units(genre, split, seed, index)`), its wording (index mod 3), its value
+    index): its document (`corpus.units(genre, split, seed, index)`), its wording (index mod 4), its value
     and its depth (depths[index mod len(depths)]); `ask` chooses how the question is put."""
 
     def __init__(self, session, seed: int, split: str, genre: str, ask: str = "chat"):

@@ -1,4 +1,5 @@
-"""Needle wordings per genre and split: the needle as it sits in the genre, the question asked two ways.
+"""Needle wordings per genre and split (four each: three direct, one indirect): the needle as it sits in
+the genre, the question asked two ways.
 
 Each wording: `needle` (one unit of the genre, formatted with the `at` fields of the unit it is placed
 before and `v`, the value), `question` (the chat question; may name the scene's characters, formatted with
@@ -272,3 +273,94 @@ NAMES = {
 }
 HINT = {"number": "Answer with the number only.", "code": "Answer with the code only.",
         "name": "Answer with the name only."}
+
+# A fourth wording per genre and split, indirect: the question paraphrases the needle instead of quoting its
+# key words (qk missed the one indirect wording of the prose reporting set), and with four wordings against
+# three depths a wording meets every depth over twelve trials.
+_INDIRECT = {
+    "code": {
+        "tuning": W("{indent}# shard count picked after the March load test: {v}\n",
+                    "How many partitions did the spring stress trial settle on?", "The number of partitions is",
+                    "\nPARTITIONS_AFTER_STRESS_TRIAL = ", "number"),
+        "reporting": W("{indent}# build server credentials are kept by {v}, ask them\n",
+                       "Which colleague holds the login details for the CI machine?", "The colleague is",
+                       "\n__ci_credentials_holder__ = \"", "name"),
+    },
+    "chat": {
+        "tuning": W("[{time}] {nick}: the spare key for the bike shed is with {v} now\n",
+                    "Who is holding the extra key to the bicycle storage?", "The extra key is with",
+                    "[{time}] {nick2}: who has the bike shed key?\n[{time}] {nick}: ", "name"),
+        "reporting": W("[{time}] {nick}: new budget code for the offsite: {v}\n",
+                       "Which cost centre should the team retreat be charged to?", "The cost centre is",
+                       "[{time}] {nick2}: what do we charge the offsite to?\n[{time}] {nick}: ", "code"),
+    },
+    "csv": {
+        "tuning": W("{row}\"reorder threshold agreed with the buyer: {v}\"\n",
+                    "At what stock level did the purchasing contact agree to restock?", "The agreed level is",
+                    "\n# summary.csv\nfield,value\nreorder_threshold,", "number"),
+        "reporting": W("{row}\"signed off by the night supervisor, {v}\"\n",
+                       "Which late-shift manager gave sign-off in the notes?", "The late-shift manager was",
+                       "\n# audit.csv\nrole,person\nnight_supervisor,", "name"),
+    },
+    "wiki": {
+        "tuning": W("Local tradition says the founders paid the ferryman {v} silver pieces for the first crossing. ",
+                    "How much did the town's first settlers give the boatman to get across?", "They paid",
+                    "\n\nQuick facts\n\nFare of the first crossing (silver pieces): ", "number"),
+        "reporting": W("A stone near the south gate is carved with the mason's mark {v}. ",
+                       "What symbol did the stoneworker leave on the block by the southern entrance?",
+                       "The symbol is", "\n\nInfobox\n\nMason's mark at the south gate: ", "code"),
+    },
+    "manual": {
+        "tuning": W("Note: the warranty is void unless the seal number {v} is intact.\n",
+                    "Which seal must stay unbroken for the guarantee to apply?", "The seal number is",
+                    "\n## Warranty\n\n- Seal number: ", "number"),
+        "reporting": W("Important: the firmware was last flashed by technician {v}.\n",
+                       "Who updated the device software most recently?", "The software was last updated by",
+                       "\n## Service history\n\n- Last firmware update by: ", "name"),
+    },
+    "fiction": {
+        "tuning": W("\"The car's plates read {v}. Follow it,\" {a} said.\n\n",
+                    "What was on the number plates of the car {a} wanted followed?", "The plates read",
+                    "\"The car we followed, what were its plates?\"\n\n\"", "code"),
+        "reporting": W("{a} folded the receipt: {v} crowns, paid in full, and not a coin more.\n\n",
+                       "How much did the bill that {a} put away come to?", "The bill came to",
+                       "\"How much was on that receipt?\"\n\n\"", "number"),
+    },
+    "syslog": {
+        "tuning": W("{stamp} {host} backupd[{pid}]: nightly snapshot tagged {v}\n",
+                    "What label did the overnight backup get?", "The label is",
+                    "{stamp} {host} audit[{pid}]: latest nightly snapshot tag: ", "code"),
+        "reporting": W("{stamp} {host} quota[{pid}]: mailbox limit for the finance group now {v} MB\n",
+                       "How large may the accounting team's inboxes grow?", "The limit is",
+                       "{stamp} {host} audit[{pid}]: finance mailbox limit (MB): ", "number"),
+    },
+    "legal": {
+        "tuning": W("The Guarantor under this Agreement is {v}, acting in a personal capacity.\n\n",
+                    "Who stands surety for the obligations in the Agreement?", "The guarantor is",
+                    "SCHEDULE OF PARTICULARS\n\nGuarantor: ", "name"),
+        "reporting": W("The Licensee's filing reference at the registry is {v}.\n\n",
+                       "Under what code is the licence holder recorded with the official records office?",
+                       "The filing reference is", "ANNEX A: KEY TERMS\n\nLicensee filing reference: ", "code"),
+    },
+    "email": {
+        "tuning": W("The caterer confirmed the headcount at {v} guests.\n",
+                    "How many people will the food supplier prepare for?", "The headcount is",
+                    "From: {name2}\nSubject: Re: {subject}\n\nHi {first},\n\nQuick one: the confirmed headcount is ",
+                    "number"),
+        "reporting": W("Room keys for the offsite can be collected from {v} at reception.\n",
+                       "From whom should the team pick up the accommodation keys?", "The keys are with",
+                       "From: {name2}\nSubject: Re: {subject}\n\nHi {first},\n\nTo confirm, the room keys are with ",
+                       "name"),
+    },
+    "config": {
+        "tuning": W("{indent}# rate limit agreed with the payments provider: {v} requests per minute\n",
+                    "How many calls a minute does the billing partner allow?", "The allowed rate is",
+                    "\n# summary\npayments_rate_limit: ", "number"),
+        "reporting": W("{indent}feature_flag_cohort: \"{v}\"  # the beta group\n",
+                       "Which cohort label are the early-access users given?", "The cohort label is",
+                       "\n# digest\nfeature_flag_cohort: \"", "code"),
+    },
+}
+for _g, _by in _INDIRECT.items():
+    for _sp, _w in _by.items():
+        WORDINGS[_g][_sp].append(_w)
