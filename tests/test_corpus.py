@@ -58,8 +58,8 @@ def test_splits_share_no_text():
         assert not shared, (genre, sorted(shared)[:3])
         assert not grams["reporting"] & old_tuning, genre
         # the halves of every list are disjoint: no template or word of one split is in the other
-        t, r = corpus.vocab(genre, "tuning"), corpus.vocab(genre, "reporting")
-        for key in t._d:
+        t, r = corpus.vocab(genre, "tuning").lists(), corpus.vocab(genre, "reporting").lists()
+        for key in t:
             common = {repr(x) for x in t[key]} & {repr(x) for x in r[key]} - {"''"}
             assert not common, (genre, key, common)
 

@@ -150,7 +150,7 @@ def cwe_vocabulary(split: str) -> list:
     def words(sp: str) -> set:
         out = set(aggregate_vocabulary(sp))
         for g in corpus.GENRES:
-            for xs in corpus.vocab(g, sp)._d.values():
+            for xs in corpus.vocab(g, sp).lists().values():
                 for x in xs:
                     if isinstance(x, str):
                         out |= set(re.findall(r"\b[a-z]{4,12}\b", x))

@@ -42,6 +42,10 @@ class Vocab:
     def __getitem__(self, key: str) -> list:
         return self._d[key]
 
+    def lists(self) -> dict:
+        """Every list of the split's half, by name (a copy)."""
+        return {k: list(v) for k, v in self._d.items()}
+
     def pick(self, rng: random.Random, key: str):
         return rng.choice(self._d[key])
 

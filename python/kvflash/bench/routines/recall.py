@@ -77,7 +77,8 @@ def run_needle(cfg: BenchConfig) -> Result:
                             rank = span_rank(ranks)
                             free = int(s.pager.n_blocks - np.count_nonzero(prot & resident))
                         res.raw.append({**_base(cfg, s), "context": D, "split": cfg.split, "haystack": hay,
-                                        **({"ask": ask} if ask_col else {}), "mode": m[0], "pool": m[1], "policy": s.policy.name if m[1] else None,
+                                        **({"ask": ask} if ask_col else {}), "mode": m[0], "pool": m[1],
+                                        "policy": s.policy.name if m[1] else None,
                                         "trial": t.index, "depth": t.depth, "wording": t.wording,
                                         "prompt_tokens": len(t.ids), "value": t.value, "answer": ans, "correct": ok,
                                         "prefill_s": dt, "residency_pct": st["residency_pct"],
