@@ -240,9 +240,8 @@ def csv_units(rng: random.Random, v: Vocab) -> Iterator[Unit]:
 
         def prefix(c=cols) -> str:
             return ",".join(_cell(rng, v, kind, year) for _, kind in c) + ","
-        before = prev or prefix
-        yield Unit(f"\n# {name}.csv\n", {"row": before()})
-        yield Unit(",".join(c for c, _ in cols) + ",note\n", {"row": before()})
+        before = prev or prefix   # a needle before a table's title ends the table above it
+        yield Unit(f"\n# {name}.csv\n" + ",".join(c for c, _ in cols) + ",note\n", {"row": before()})
         for _ in range(rng.randint(15, 60)):
             note = rng.choice(v["notes"])
             yield Unit(prefix() + (f"\"{note}\"" if note else "") + "\n", {"row": prefix()})
