@@ -28,7 +28,7 @@ import json
 import numpy as np
 
 import kvflash
-from kvflash.bench.needle import NeedleBuilder
+from kvflash.bench.needle import make_builder
 from kvflash.bench.routines import passkey_chunks, rank_of, rank_text, span_rank
 from kvflash.models import resolve_model
 from kvflash.scoring import DrafterPolicy, QKPolicy
@@ -52,6 +52,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--split", choices=["tuning", "tuning-indirect"], default="tuning",
                     help="tuning prompts only: the four passkey wordings, or the indirect ones")
+    ap.add_argument("--haystack", default="prose",
+                    help="prose (default), or a corpus genre (code, chat, csv, wiki, manual, fiction, syslog, "
+                         "legal, email, config: its tuning documents and wordings; --split tuning)")
+    ap.add_argument("--ask", choices=["chat", "raw"], default="chat",
+                    help="the question through the chat template (default) or as a raw completion")
     a = ap.parse_args()
     variants = json.loads(a.variants)
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -66,8 +71,10 @@ def main() -> None:
         s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy="lru", threads=a.threads)
     C = s.chunk_tokens
     drafter = str(resolve_model(a.drafter))
-    builder = NeedleBuilder(s, a.seed, split=a.split)  # a parameter search: tuning data only
-    print(f"split {a.split}, model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
+    if a.haystack == "ledger":
+        raise SystemExit("the ledger haystack is reporting data; a parameter search runs on tuning data only")
+    builder = make_builder(s, a.seed, a.split, a.haystack, ask=a.ask)  # a parameter search: tuning data only
+    print(f"split {a.split}, haystack {a.haystack} ({a.ask}), model {a.model}, drafter {a.drafter}, context {a.context}, pool {a.pool}; rank of the passkey chunk "
           f"among the unprotected chunks (a+b: the passkey straddles a chunk edge; kept when every rank < free)")
     for i in (int(x) for x in a.trials.split(",")):
         t = builder.trial(i, a.context - a.answer_tokens - 1, depths)

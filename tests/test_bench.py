@@ -20,6 +20,9 @@ def tiny(tmp_path_factory):
     ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk,qk-bound"]),
     ("needle", ["--contexts", "1024", "--needles", "1", "--policies", "qk", "--no-full", "--tail-chunks", "2",
                 "--haystacks", "prose"]),
+    # the corpus: two genres, the question through the template and as a raw completion
+    ("needle", ["--contexts", "1024", "--needles", "2", "--depths", "10,90", "--policies", "lru,qk",
+                "--haystacks", "code,chat", "--ask", "chat,raw"]),
     ("rescore", ["--contexts", "1024", "--repeats", "1", "--policies", "qk,drafter,qk:q16:c64"]),
     ("ab", ["--contexts", "1024", "--needles", "2", "--steps", "4", "--policy", "qk"]),
     ("memory", ["--contexts", "2048"]),
@@ -36,6 +39,10 @@ def tiny(tmp_path_factory):
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
                "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
                "--split", "tuning", "--exact-prefill"]),
+    # RULER's other families and a corpus haystack beside the filler
+    ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
+               "--chunk-tokens", "16", "--policies", "lru,qk", "--haystacks", "chat,filler",
+               "--tasks", "single,vt,cwe,fwe", "--split", "reporting"]),
     ("serve", ["--contexts", "700", "--repeats", "2", "--steps", "12", "--policy", "qk", "--clients", "4",
                "--parallel", "2", "--client-prompt", "150", "--client-tokens", "6"]),
     ("exact", ["--contexts", "1200", "--prompts", "3", "--gen-tokens", "12", "--policy", "qk"]),
@@ -54,7 +61,15 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert "passkey chunk resident" in (out / "table.md").read_text()
         rows = data["results"][0]["rows"]
         # reporting split by default: both haystacks (unless narrowed), a rank per trial for the scored policies
-        assert {r["haystack"] for r in rows} == ({"prose"} if "--haystacks" in extra else {"prose", "ledger"})
+        hays = extra[extra.index("--haystacks") + 1].split(",") if "--haystacks" in extra else ["prose", "ledger"]
+        assert {r["haystack"] for r in rows} == set(hays)
+        asks = extra[extra.index("--ask") + 1].split(",") if "--ask" in extra else ["chat"]
+        assert {r.get("ask", "chat") for r in rows} == set(asks) and ("ask" in rows[0]) == ("--ask" in extra)
+        if "--ask" in extra:   # a row per haystack, ask and mode; the raw records name their ask and value
+            assert len(rows) == len(hays) * len(asks) * 3, rows
+            raw = data["results"][0]["raw"]
+            assert {(x["haystack"], x["ask"]) for x in raw} == {(h, a) for h in hays for a in asks}
+            assert any("corpus" in n for n in data["results"][0]["notes"])
         qk = [r for r in rows if r["policy"] == "qk"]
         n_trials = int(extra[extra.index("--needles") + 1])
         assert qk and all(len(r["ranks"].split(" (")[0].split()) == n_trials for r in qk), qk
@@ -179,27 +194,36 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         res = data["results"][0]
         rows = res["rows"]
         assert any("exact prefill" in n for n in res["notes"]) == ("--exact-prefill" in extra)
-        tasks = ["single", "multikey", "multivalue", "multiquery", "aggregate"]
+        from kvflash.bench.ruler import LIST_TASKS
+        tasks = (extra[extra.index("--tasks") + 1].split(",") if "--tasks" in extra else
+                 ["single", "multikey", "multivalue", "multiquery", "aggregate"])
+        pols = ["full"] + extra[extra.index("--policies") + 1].split(",")
         # per task: the full cache, then each policy at 1/4 (pool 256 = 16 chunks of 16)
-        assert [(r["task"], r["policy"]) for r in rows] == [(t, p) for t in tasks
-                                                            for p in ("full", "lru", "qk", "drafter",
-                                                                      "qk:q16:c0")], rows
+        assert [(r["task"], r["policy"]) for r in rows] == [(t, p) for t in tasks for p in pols], rows
         for r in rows:
-            n = 1 if r["task"] == "aggregate" else 2   # one trial per haystack
+            n = 1 if r["task"] in LIST_TASKS else 2   # one trial per haystack
             first = next(x for x in rows if x["task"] == r["task"])   # the task's full-cache row
             assert r["trials"] == n and 0 <= r["score"] <= 100 and r["full"] == first["score"], r
             if r["policy"] != "full":
                 assert r["pool"] == 256 and r["residency"] == "1/4", r
-            if r["policy"] in ("qk", "drafter", "qk:q16:c0") and r["task"] != "aggregate":
+            if "chat" in extra[extra.index("--haystacks") + 1]:   # a corpus genre: the score per haystack
+                assert (r.get("by_haystack") or "").startswith("chat ") == (r["task"] not in LIST_TASKS), r
+                if r["task"] not in LIST_TASKS:
+                    assert ", filler " in r["by_haystack"], r
+            else:
+                assert "by_haystack" not in r, r
+            if r["policy"] in ("qk", "drafter", "qk:q16:c0") and r["task"] not in LIST_TASKS:
                 assert r["ranks"].endswith("(10)"), r   # 16 chunks - sink - 4 tail - the open one
-        assert any("16 chunks of 16" in n for n in res["notes"]) and any("TUNING data" in n for n in res["notes"])
+        assert any("16 chunks of 16" in n for n in res["notes"])
+        assert any(("TUNING data" if "tuning" in extra else "reporting data") in n for n in res["notes"])
         log = out / "trials.jsonl"
         lines = log.read_text().splitlines()
-        assert len(lines) == 9   # 4 needle tasks x 2 haystacks + the aggregate list
+        n_log = sum(1 if t in LIST_TASKS else 2 for t in tasks)
+        assert len(lines) == n_log   # e.g. 4 needle tasks x 2 haystacks + the aggregate list
         # a second run with the same log measures nothing again and reports the same table
         assert cli.main(argv) == 0
         again = json.loads(capsys.readouterr().out)
-        assert again["results"][0]["rows"] == rows and len(log.read_text().splitlines()) == 9
+        assert again["results"][0]["rows"] == rows and len(log.read_text().splitlines()) == n_log
         # the table from the log alone: the same rows, nothing measured
         assert cli.main(argv + ["--logged-only"]) == 0
         assert json.loads(capsys.readouterr().out)["results"][0]["rows"] == rows

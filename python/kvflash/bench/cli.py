@@ -159,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="needle prompts (needle, ab): reporting (default; held-out wordings and seeds, every "
                         "committed figure), tuning or tuning-indirect (the prompts policy parameters are chosen on)")
     p.add_argument("--haystacks", type=_str_list, default=None,
-                   help="reporting haystacks, comma list of prose, ledger (default both; ab uses the first)")
+                   help="haystacks, comma list: prose, ledger (needle, ab, demo; default both; ab and demo use the "
+                        "first) or filler, ledger (ruler), and for all of them the corpus genres code, chat, csv, "
+                        "wiki, manual, fiction, syslog, legal, email, config ('corpus': all ten), which have "
+                        "tuning documents too (--split tuning)")
+    p.add_argument("--ask", dest="asks", type=_str_list, default=None,
+                   help="needle: how the question is put, comma list of chat (the chat template; the default) and "
+                        "raw (a raw completion: the corpus genres continue the document in its own form)")
     p.add_argument("--prefill", dest="memory_prefill", action="store_true", default=None,
                    help="memory: a real prefill of each cell's context (weights and compute buffers in the RSS) "
                         "instead of driving the pager alone")
@@ -190,11 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-counts", type=_int_list, default=None,
                    help="attention: thread counts, comma list (default 1,2)")
     p.add_argument("--tasks", type=_str_list, default=None,
-                   help="ruler: tasks, comma list of single, multikey, multivalue, multiquery, aggregate (default all)")
+                   help="ruler: tasks, comma list of single, multikey, multivalue, multiquery, aggregate (the default "
+                        "five) and RULER's vt (variable tracking), cwe (common words), fwe (frequent words)")
     p.add_argument("--residencies", type=_int_list, default=None,
                    help="ruler: pools of context/N for the needle tasks, comma list of N (default 8,16,32)")
     p.add_argument("--aggregate-residencies", type=_int_list, default=None,
-                   help="ruler: the same for the aggregation guard (default 4,8)")
+                   help="ruler: the same for the list tasks: the aggregation guard, cwe, fwe (default 4,8)")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="kvflash sessions' chunk in tokens, dividing 256 (default: the Session's, 64)")
     p.add_argument("--prefill-piece", type=int, default=None,
@@ -251,7 +258,7 @@ def config_for(args, routine: str) -> BenchConfig:
     for k, attr in [("pool", "pools"), ("repeats", "repeats"), ("contexts", "contexts"),
                     ("decode_steps", "decode_steps"), ("needles", "needles"), ("depths", "depths"),
                     ("rescore_periods", "rescore_periods"), ("control", "control"), ("split", "split"),
-                    ("haystacks", "haystacks"), ("memory_prefill", "memory_prefill"),
+                    ("haystacks", "haystacks"), ("asks", "asks"), ("memory_prefill", "memory_prefill"),
                     ("memory_cells", "memory_cells"), ("needle_full", "needle_full"),
                     ("tail_chunks", "tail_chunks"), ("clients", "clients"), ("parallel", "parallel"),
                     ("client_prompt", "client_prompt"), ("client_tokens", "client_tokens"),
@@ -288,10 +295,19 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     bad_t = [t for t in (args.kv_types or []) if t not in ("f16", "q8_0", "q4_0")]
     if bad_t or (args.kv_types is not None and not args.kv_types):
         p.error(f"--kv-types: use f16, q8_0, q4_0 (got {args.kv_types})")
-    hay_ok = ("filler", "ledger") if args.routine == "ruler" else ("prose", "ledger")
+    from .corpus import GENRES
+    if args.haystacks and "corpus" in args.haystacks:   # every genre, in place of the word
+        at = args.haystacks.index("corpus")
+        args.haystacks = list(dict.fromkeys(args.haystacks[:at] + list(GENRES) + args.haystacks[at + 1:]))
+    hay_ok = (("filler", "ledger") if args.routine == "ruler" else ("prose", "ledger")) + GENRES
     bad_h = [h for h in (args.haystacks or []) if h not in hay_ok]
     if bad_h or (args.haystacks is not None and not args.haystacks):
-        p.error(f"--haystacks: use {', '.join(hay_ok)} (got {args.haystacks})")
+        p.error(f"--haystacks: use {', '.join(hay_ok)} or corpus (got {args.haystacks})")
+    if args.split == "tuning-indirect" and any(h in GENRES for h in args.haystacks or []):
+        p.error("--split tuning-indirect is the prose haystack's; the corpus genres have tuning and reporting")
+    bad_a = [a for a in (args.asks or []) if a not in ("chat", "raw")]
+    if bad_a or (args.asks is not None and not args.asks):
+        p.error(f"--ask: use chat, raw (got {args.asks})")
     from .ruler import TASKS
     bad_k = [t for t in (args.tasks or []) if t not in TASKS]
     if bad_k or (args.tasks is not None and not args.tasks):
@@ -374,7 +390,7 @@ def main(argv: Optional[list] = None) -> int:
               "preset": args.preset, "threads_used": threads_used, "elapsed_s": round(elapsed, 1),
               "routines": {c.routine: {k: v for k, v in dataclasses.asdict(c).items() if k != "quiet"} for c in cfgs}}
     first = dataclasses.asdict(cfgs[0])
-    for k in ("model", "threads", "kv_type", "policy", "split", "haystacks", "drafter", "drafter_layers", "drafter_pool", "drafter_queries",
+    for k in ("model", "threads", "kv_type", "policy", "split", "haystacks", "asks", "drafter", "drafter_layers", "drafter_pool", "drafter_queries",
               "drafter_contrast", "drafter_spread", "tau", "seed"):
         config[k] = first[k]
     sys.stdout.write(report.render(args.output, results, config, machine))

@@ -50,6 +50,7 @@ class BenchConfig:
     tail_chunks: Optional[int] = None  # kvflash sessions' tail window in chunks (None: the Session's default)
     split: str = "reporting"           # needle prompts: "tuning" (parameter searches) or "reporting" (figures)
     haystacks: list = dataclasses.field(default_factory=lambda: ["prose", "ledger"])  # reporting haystacks
+    asks: list = dataclasses.field(default_factory=lambda: ["chat"])   # needle: chat template and/or raw completion
     clients: int = 8                   # serve: concurrent streaming clients
     parallel: int = 2                  # serve: the server's slots for the concurrent clients
     client_prompt: int = 512           # serve: prompt tokens per concurrent client (each distinct)

@@ -10,6 +10,12 @@ that can distract (_ledger.py) -- the REPORTING_WORDINGS, which no tuning run us
 from a seed space of their own).  A trial is fixed by (split, haystack, seed, index): depth =
 depths[i % len(depths)], a wording, a 5-digit value absent from the rest of the prompt and a starting
 sentence, all from a seeded RNG, so every mode (full, lru, drafter, qk) sees the same prompts.
+
+The corpus genres (`corpus/`: code, chat, csv, wiki, manual, fiction, syslog, legal, email, config) are
+haystacks too: `make_builder` returns a `corpus.NeedleBuilder` for them, with the corpus's own tuning and
+reporting documents, wordings and seeds (its docstring says how they are kept apart).  `ask="raw"` puts the
+question without the chat template (here: the document, the question and "Answer: " with the answer prefix;
+in the corpus: the document continued in its own form).
 """
 from __future__ import annotations
 
@@ -88,7 +94,10 @@ def sentence_units(text: str) -> list:
 class NeedleBuilder:
     """Builds prompts for one tokenizer; sentences are tokenized once and reused across contexts."""
 
-    def __init__(self, session, seed: int = 1234, split: str = "tuning", haystack: str = "prose"):
+    def __init__(self, session, seed: int = 1234, split: str = "tuning", haystack: str = "prose", ask: str = "chat"):
+        if ask not in ("chat", "raw"):
+            raise ValueError(f"ask must be chat or raw, got {ask!r}")
+        self.ask = ask
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if haystack not in HAYSTACKS:
@@ -107,7 +116,7 @@ class NeedleBuilder:
     def _render(self, body: str, question: str, prefix: str = ANSWER_PREFIX) -> list:
         tok = self.s.tokenizer
         msgs = [{"role": "user", "content": body.strip() + "\n\n" + question + " Answer with the number only."}]
-        if tok.chat_template:
+        if tok.chat_template and self.ask == "chat":
             text = tok.apply_chat_template(msgs, add_generation_prompt=True) + prefix
         else:  # a base model (e.g. gemma-3-270m's GGUF has no template): plain question and answer
             text = msgs[0]["content"] + "\nAnswer: " + prefix
@@ -157,6 +166,20 @@ class NeedleBuilder:
         raise ValueError(f"could not fit a needle prompt in {n_tokens} tokens")
 
 
+def make_builder(session, seed: int, split: str, haystack: str, ask: str = "chat"):
+    """The needle builder for a haystack: NeedleBuilder for prose and ledger, corpus.NeedleBuilder for a corpus
+    genre (splits tuning and reporting only: tuning-indirect is the prose haystack's)."""
+    from . import corpus
+    if haystack in corpus.GENRES:
+        if split not in corpus.SPLITS:
+            raise ValueError(f"the corpus genres have the splits {corpus.SPLITS}, not {split!r}")
+        return corpus.NeedleBuilder(session, seed, split, haystack, ask=ask)
+    return NeedleBuilder(session, seed, split=split, haystack=haystack, ask=ask)
+
+
 def score(answer: str, value: str) -> bool:
-    """Exact: the passkey's digits appear in the answer (thousands separators ignored)."""
-    return value in answer.replace(",", "").replace(" ", "")
+    """Exact: the value appears in the answer, thousands separators, spaces and case ignored (a passkey's
+    digits as before; a corpus code or name whole)."""
+    def norm(x: str) -> str:
+        return x.replace(",", "").replace(" ", "").lower()
+    return norm(value) in norm(answer)

@@ -12,8 +12,25 @@ Five tasks, each a prompt of a chosen token length ending in a question and a pr
   than any other; asked for the three most frequent words.  Answering needs most of the context at once,
   which chunk selection is expected to struggle with (the guard).
 
-Haystacks for the needle tasks: ``filler`` (one short paragraph repeated: every chunk looks alike) and
-``ledger`` (town records full of 3-6 digit numbers and codes, from `_ledger.py`).
+RULER's other families, as its paper describes them (run by name: ``--tasks vt,cwe,fwe``; the default
+task list is the five above, so earlier commands measure what they measured):
+
+- ``vt`` (variable tracking): a value is assigned to one variable, then passed along a chain of
+  VT_HOPS assignments, each variable to the next (five variables in all), the statements spread through
+  the haystack in chain order (one at the trial's depth); asked for every variable that ends up holding
+  the value.
+- ``cwe`` (common words extraction): no haystack, a word list where CWE_COMMON words occur CWE_FREQ times
+  each (30, fewer when the list is too short to hold them in half of it) and every other word CWE_RARE
+  (3) times (once where the common words could not reach twice that); the number of rare words grows with
+  the length; asked for the ten common words.
+- ``fwe`` (frequent words extraction): no haystack, a "coded text" of invented words drawn from a Zeta
+  (Zipf) distribution with exponent FWE_ALPHA (2.0) over the split's coded vocabulary; asked for the
+  three most frequent (redrawn until the third is strictly ahead of the fourth).
+
+Haystacks for the needle tasks (and vt): ``filler`` (one short paragraph repeated: every chunk looks alike),
+``ledger`` (town records full of 3-6 digit numbers and codes, from `_ledger.py`) and the corpus genres
+(`corpus/`: one long document of the genre per split and seed, its own split's text; a needle goes between
+two of its units, on a line of its own except in ``wiki``'s running prose).
 
 Splits, never mixed: ``tuning`` (what selection parameters are chosen on) and ``reporting`` (what committed
 figures are measured on).  They share no wording, no key word and no value word (the word lists are split
@@ -21,7 +38,7 @@ by index parity) and draw their trials from separate seed spaces.  A trial is fi
 haystack, seed, index): the target's depth cycles through DEPTHS (evenly spread), everything else comes
 from a seeded RNG, so every mode and policy sees the same prompt.
 
-Scored as RULER scores these tasks: the share of the expected values that occur in the answer
+Scored as RULER scores these tasks (vt, cwe and fwe included): the share of the expected values that occur in the answer
 (case-insensitive; digit groups may be separated by commas or spaces), averaged over trials; ``all``
 records whether every value was there.
 """
@@ -33,13 +50,22 @@ import re
 import uuid
 from typing import Optional
 
+from . import corpus
 from ._ledger import ledger_text
 from .common import haystack_text
 from .needle import sentence_units
 
-TASKS = ("single", "multikey", "multivalue", "multiquery", "aggregate")
+TASKS = ("single", "multikey", "multivalue", "multiquery", "aggregate", "vt", "cwe", "fwe")
 NEEDLE_TASKS = TASKS[:4]
+HAYSTACK_TASKS = NEEDLE_TASKS + ("vt",)      # tasks placed in a haystack
+LIST_TASKS = ("aggregate", "cwe", "fwe")     # tasks without one: the whole prompt is the list
 HAYSTACKS = ("filler", "ledger")
+GENRE_HAYSTACKS = corpus.GENRES
+VT_HOPS = 4
+CWE_COMMON, CWE_FREQ, CWE_RARE = 10, 30, 3
+FWE_ALPHA, FWE_TOP = 2.0, 3
+# the coded words' letters: no coded word of one split can be spelled with the other's
+CODED_LETTERS = {"tuning": "abcdefghijklm", "reporting": "nopqrstuvwxyz"}
 SPLITS = ("tuning", "reporting")
 KINDS = ("number", "word", "uuid")
 DEPTHS = (5, 18, 31, 44, 56, 69, 82, 95)   # the target needle's depth, percent of the haystack, cycled
@@ -77,7 +103,13 @@ WORDINGS = {
         qn="What are all the {kinds} filed under {key}?", pn="The {kinds} filed under {key} are",
         q2="What are the {kinds} filed under {key} and under {key2}?",
         p2="The {kinds} filed under {key} and under {key2} are",
-        qa="Which three words occur most often in the list above?", pa="The three most frequent words are"),
+        qa="Which three words occur most often in the list above?", pa="The three most frequent words are",
+        vt_first="VAR {var} = {value}.", vt_next="VAR {var} = VAR {prev}.",
+        qvt="Which variables are assigned the value {value}, directly or through other variables? List all of them.",
+        pvt="Following the assignments, the variables assigned {value} are",
+        qcwe="Which ten words occur most often in the list above?", pcwe="The ten most frequent words are",
+        qfwe="Which three coded words appear most often in the coded text above?",
+        pfwe="The three most frequent coded words are"),
     "reporting": dict(
         intro="A few facts are buried in the following text. Keep them in mind: there is a question at the end.",
         needle="Remember this: the hidden {kind} belonging to {key} is {value}.",
@@ -86,7 +118,13 @@ WORDINGS = {
         q2="Which hidden {kinds} belong to {key} and to {key2}?",
         p2="The hidden {kinds} belonging to {key} and to {key2} are",
         qa="Name the three words that appear most frequently in the list above.",
-        pa="The three most common words are"),
+        pa="The three most common words are",
+        vt_first="Let {var} equal {value}.", vt_next="Let {var} equal {prev}.",
+        qvt="Trace every assignment above: which variables end up holding {value}? Give all of them.",
+        pvt="Every variable that ends up holding {value}:",
+        qcwe="Name the ten words that appear most frequently in the list above.", pcwe="The ten most common words are",
+        qfwe="Name the three coded words with the highest counts in the coded text above.",
+        pfwe="The three coded words with the highest counts are"),
 }
 KIND_NOUN = {"number": ("number", "numbers"), "word": ("word", "words"), "uuid": ("identifier", "identifiers")}
 ANSWER_HINT = {"number": "Answer with the number only.", "word": "Answer with the word only.",
@@ -104,6 +142,26 @@ def aggregate_vocabulary(split: str) -> list:
     """Words for the aggregation list: the prose haystack's words and this module's lists, split by parity."""
     words = set(re.findall(r"\b[a-z]{4,10}\b", haystack_text())) | set(ADJECTIVES) | set(NOUNS) | set(VALUE_WORDS)
     return _half(sorted(words), split)
+
+
+def cwe_vocabulary(split: str) -> list:
+    """Words for the common-words list: the aggregation vocabulary and the corpus genres' words of the split,
+    minus every word the other split has (so none is shared), sorted."""
+    def words(sp: str) -> set:
+        out = set(aggregate_vocabulary(sp))
+        for g in corpus.GENRES:
+            for xs in corpus.vocab(g, sp).lists().values():
+                for x in xs:
+                    if isinstance(x, str):
+                        out |= set(re.findall(r"\b[a-z]{4,12}\b", x))
+        return out
+    other = "reporting" if split == "tuning" else "tuning"
+    return sorted(words(split) - words(other))
+
+
+def coded_word(rng: random.Random, split: str) -> str:
+    letters = CODED_LETTERS[split]
+    return "".join(rng.choice(letters) for _ in range(rng.randint(4, 7)))
 
 
 @dataclasses.dataclass
@@ -132,6 +190,7 @@ class RulerBuilder:
         self._hay: dict = {}
         self._vocab = aggregate_vocabulary(split)
         self._vocab_lens: Optional[list] = None
+        self._cwe_vocab: Optional[list] = None
 
     # -- pieces -------------------------------------------------------------
     def _haystack(self, name: str) -> tuple:
@@ -140,11 +199,17 @@ class RulerBuilder:
                 text = FILLER * 4
             elif name == "ledger":
                 text = ledger_text()
+            elif name in GENRE_HAYSTACKS:   # one long document of the split's own text
+                doc = corpus.document(name, self.split, self.seed, "ruler", n_chars=320_000)
+                sents = [u.text for u in doc.units]
+                lens = [len(self.s.tokenize(x, add_special=False)) for x in sents]
+                self._hay[name] = (sents, lens, doc.text.lower(), " " if name == "wiki" else "\n")
+                return self._hay[name]
             else:
-                raise ValueError(f"haystack must be one of {HAYSTACKS}, got {name!r}")
+                raise ValueError(f"haystack must be one of {HAYSTACKS + GENRE_HAYSTACKS}, got {name!r}")
             sents = sentence_units(text)
             lens = [len(self.s.tokenize(x, add_special=False)) for x in sents]
-            self._hay[name] = (sents, lens, text.lower())
+            self._hay[name] = (sents, lens, text.lower(), " ")
         return self._hay[name]
 
     def _render(self, body: str, question: str, prefix: str) -> list:
@@ -164,6 +229,10 @@ class RulerBuilder:
                 v = str(rng.randint(1_000_000, 9_999_999))
             elif kind == "word":
                 v = rng.choice(self.value_words)
+            elif kind == "var":   # a variable name: five capitals
+                v = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+            elif kind == "value5":
+                v = str(rng.randint(10000, 99999))
             else:
                 v = str(uuid.UUID(int=rng.getrandbits(128), version=4))
             if v not in taken and v.lower() not in hay_lower:
@@ -181,8 +250,14 @@ class RulerBuilder:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "aggregate":
             return self._aggregate(i, n_tokens)
+        if task == "cwe":
+            return self._cwe(i, n_tokens)
+        if task == "fwe":
+            return self._fwe(i, n_tokens)
+        if task == "vt":
+            return self._vt(haystack, i, n_tokens)
         rng = self._rng(task, haystack, i)
-        sents, lens, hay_lower = self._haystack(haystack)
+        sents, lens, hay_lower, sep = self._haystack(haystack)
         kind = KINDS[i % len(KINDS)] if task == "single" else "number"
         depth = DEPTHS[i % len(DEPTHS)]
         noun, nouns = KIND_NOUN[kind]
@@ -217,11 +292,94 @@ class RulerBuilder:
             question = w["q2"].format(kinds=nouns, key=qkeys[0], key2=qkeys[1]) + " " + MULTI_HINT
             prefix = w["p2"].format(kinds=nouns, key=qkeys[0], key2=qkeys[1])
             answer = 12 * N_QUERIES
-        ids = self._compose(rng, sents, lens, inserts, question, prefix, n_tokens)
+        ids = self._compose(rng, sents, lens, inserts, question, prefix, n_tokens, sep)
         return RulerTrial(task, haystack, i, kind, depth, values, ids, answer,
                           needles=[t for _, t in inserts[:len(values)]])
 
-    def _compose(self, rng, sents, lens, inserts, question, prefix, n_tokens) -> list:
+    def _vt(self, haystack: str, i: int, n_tokens: int) -> RulerTrial:
+        """Variable tracking: one value, a chain of VT_HOPS assignments (VT_HOPS + 1 variables), spread through
+        the haystack in chain order, one statement at the trial's depth; every variable must be named."""
+        rng = self._rng("vt", haystack, i)
+        sents, lens, hay_lower, sep = self._haystack(haystack)
+        taken: set = set()
+        value = self._value(rng, "value5", taken, hay_lower)
+        names = [self._value(rng, "var", taken, hay_lower) for _ in range(VT_HOPS + 1)]
+        depth = DEPTHS[i % len(DEPTHS)]
+        # one statement at the trial's depth, the others at random depths; in chain order along the text
+        depths = sorted([depth] + [rng.uniform(2, 98) for _ in range(VT_HOPS)])
+        stmts = [self.w["vt_first"].format(var=names[0], value=value)]
+        stmts += [self.w["vt_next"].format(var=n, prev=p) for p, n in zip(names, names[1:])]
+        inserts = list(zip(depths, stmts))
+        question = self.w["qvt"].format(value=value) + " " + MULTI_HINT
+        prefix = self.w["pvt"].format(value=value)
+        ids = self._compose(rng, sents, lens, inserts, question, prefix, n_tokens, sep)
+        return RulerTrial("vt", haystack, i, "var", depth, names, ids, 8 * len(names), needles=stmts)
+
+    def _cwe(self, i: int, n_tokens: int) -> RulerTrial:
+        """Common words extraction: CWE_COMMON words CWE_FREQ times each, the rest CWE_RARE times each."""
+        rng = self._rng("cwe", "list", i)
+        if self._cwe_vocab is None:
+            self._cwe_vocab = cwe_vocabulary(self.split)
+        vocab = self._cwe_vocab
+        per_entry = sum(len(self.s.tokenize(" " + x + ",", add_special=False)) for x in vocab[:200]) / min(200, len(vocab))
+        question, prefix = self.w["qcwe"] + " " + MULTI_HINT, self.w["pcwe"]
+        overhead = len(self._render("", question, prefix)) + 8
+        n_entries = int(max(0, n_tokens - overhead) / per_entry)
+        for _ in range(8):
+            common_each = min(CWE_FREQ, n_entries // (2 * CWE_COMMON))
+            rare_each = CWE_RARE if common_each >= 2 * CWE_RARE else 1   # a short list: rare words once each
+            if common_each < 2:
+                raise ValueError(f"cwe: {n_tokens} tokens cannot hold {CWE_COMMON} common words twice each")
+            n_rare_words = max(0, n_entries - common_each * CWE_COMMON) // rare_each
+            words = list(vocab)
+            rng.shuffle(words)
+            pool = words
+            extra = set()
+            while len(pool) < CWE_COMMON + n_rare_words:   # a long list outgrows the real words: invented ones
+                w = coded_word(rng, self.split)
+                if w not in extra and w not in vocab:
+                    extra.add(w)
+                    pool = pool + [w]
+            common, rare = pool[:CWE_COMMON], pool[CWE_COMMON:CWE_COMMON + n_rare_words]
+            entries = [w for w in common for _ in range(common_each)] + [w for w in rare for _ in range(rare_each)]
+            rng.shuffle(entries)
+            ids = self._render("Here is a list of words: " + ", ".join(entries) + ".", question, prefix)
+            if len(ids) <= n_tokens:
+                return RulerTrial("cwe", "list", i, "word", None, common, ids, 8 * CWE_COMMON)
+            n_entries -= int((len(ids) - n_tokens) / per_entry) + 8
+        raise ValueError(f"could not fit the cwe list in {n_tokens} tokens")
+
+    def _fwe(self, i: int, n_tokens: int) -> RulerTrial:
+        """Frequent words extraction: coded words drawn from a Zeta distribution (exponent FWE_ALPHA) over the
+        split's coded vocabulary; the FWE_TOP most frequent, strictly ahead of the next, are the answer."""
+        import collections
+        import itertools
+        rng = self._rng("fwe", "list", i)
+        question, prefix = self.w["qfwe"] + " " + MULTI_HINT, self.w["pfwe"]
+        overhead = len(self._render("", question, prefix)) + 8
+        vocab: list = []
+        seen: set = set()
+        while len(vocab) < 1000:
+            w = coded_word(rng, self.split)
+            if w not in seen:
+                seen.add(w)
+                vocab.append(w)
+        cum = list(itertools.accumulate(1.0 / (k ** FWE_ALPHA) for k in range(1, len(vocab) + 1)))
+        per_entry = sum(len(self.s.tokenize(" " + x, add_special=False)) for x in vocab[:200]) / 200
+        n_entries = int(max(0, n_tokens - overhead) / per_entry)
+        for _ in range(16):
+            entries = rng.choices(vocab, cum_weights=cum, k=max(1, n_entries))
+            counts = collections.Counter(entries).most_common(FWE_TOP + 1)
+            if len(counts) > FWE_TOP and counts[FWE_TOP - 1][1] == counts[FWE_TOP][1]:
+                continue   # a tie at the cut: draw again
+            top = [w for w, _ in counts[:FWE_TOP]]
+            ids = self._render("Here is a coded text: " + " ".join(entries) + ".", question, prefix)
+            if len(ids) <= n_tokens:
+                return RulerTrial("fwe", "list", i, "word", None, top, ids, 8 * FWE_TOP)
+            n_entries -= int((len(ids) - n_tokens) / per_entry) + 8
+        raise ValueError(f"could not fit the fwe text in {n_tokens} tokens")
+
+    def _compose(self, rng, sents, lens, inserts, question, prefix, n_tokens, sep: str = " ") -> list:
         """Haystack sentences from a random start, each insert placed after the sentence where the running
         token count crosses its depth, as many sentences as fit n_tokens."""
         start = rng.randrange(len(sents))
@@ -249,7 +407,7 @@ class RulerBuilder:
             parts, prev = [], 0
             for cut, text in cuts:
                 parts.append("".join(sents[x] for x in picked[prev:cut]))
-                parts.append(text + " ")
+                parts.append(text + sep)
                 prev = cut
             parts.append("".join(sents[x] for x in picked[prev:]))
             ids = self._render("".join(parts), question, prefix)

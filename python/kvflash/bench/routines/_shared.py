@@ -121,12 +121,25 @@ def _trials_for(cfg, builder, D, reserve):
     return [builder.trial(i, D - reserve, cfg.depths) for i in range(cfg.needles)]
 
 
+def _first_haystack(cfg: BenchConfig) -> str:
+    """ab and demo's one haystack: the first asked for on reporting data; on tuning data prose, or a corpus
+    genre named first (its tuning documents)."""
+    from ..corpus import GENRES
+    first = cfg.haystacks[0] if cfg.haystacks else "prose"
+    if cfg.split == "reporting" or (cfg.split == "tuning" and first in GENRES):
+        return first
+    return "prose"
+
+
 def _split_note(cfg: BenchConfig, haystacks: list) -> str:
+    from ..corpus import ABOUT
     if cfg.split != "reporting":
-        return (f"TUNING data (split {cfg.split}, seed {cfg.seed}): the prompts policy parameters were chosen on; "
-                f"not a result")
+        hs = "" if list(haystacks) == ["prose"] else f", haystacks {', '.join(haystacks)}"
+        return (f"TUNING data (split {cfg.split}, seed {cfg.seed}{hs}): the prompts policy parameters were chosen "
+                f"on; not a result")
     what = {"prose": "prose = procedural prose without digits",
-            "ledger": "ledger = town records full of 3-6 digit numbers and codes"}
+            "ledger": "ledger = town records full of 3-6 digit numbers and codes",
+            **{g: f"{g} = {a} (corpus: reporting documents, wordings and names)" for g, a in ABOUT.items()}}
     return (f"reporting data (split reporting, seed {cfg.seed}, haystacks {', '.join(haystacks)}; wordings held out "
             f"from every tuning run): " + "; ".join(what[h] for h in haystacks))
 

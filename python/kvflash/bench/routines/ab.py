@@ -4,9 +4,10 @@ from __future__ import annotations
 import statistics
 
 from ..common import MIB, BenchConfig, Progress, ctx_label, decode_steps, kv_resident_bytes, summarize
-from ..needle import NeedleBuilder, score
+from ..needle import make_builder, score
 from ..report import Result
 from ._shared import (
+    _first_haystack,
     BASE_COLS,
     _answer,
     _base,
@@ -49,8 +50,7 @@ def run_ab(cfg: BenchConfig) -> Result:
             n_dec = _decode_window(cfg, D)
             sessions, na = _open_modes(cfg, modes, D, dedupe_fallback=False)
             any_s = next(iter(sessions.values()))
-            builder = builder or NeedleBuilder(any_s, cfg.seed, split=cfg.split,
-                                               haystack=cfg.haystacks[0] if cfg.split == "reporting" else "prose")
+            builder = builder or make_builder(any_s, cfg.seed, cfg.split, _first_haystack(cfg))
             trials = _trials_for(cfg, builder, D, cfg.answer_tokens + n_dec + 2)
             pb.advance(cfg.needles * len(na))
             for t in trials:
@@ -137,7 +137,7 @@ def run_ab(cfg: BenchConfig) -> Result:
                   f"per trial (paired), the {'control over full' if cfg.control == 'full' else 'control over kvflash'} "
                   f"for the control row",
                   "needle scored exact (digits in the answer); depths " + "/".join(map(str, cfg.depths)) + "%; " +
-                  _split_note(cfg, cfg.haystacks[:1] if cfg.split == "reporting" else ["prose"])]
+                  _split_note(cfg, [_first_haystack(cfg)])]
     res.notes += list(dict.fromkeys(notes))
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)

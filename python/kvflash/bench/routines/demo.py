@@ -4,9 +4,9 @@ from __future__ import annotations
 import statistics
 
 from ..common import MIB, BenchConfig, Progress, ctx_label, decode_steps, kv_resident_bytes, summarize
-from ..needle import NeedleBuilder, score
+from ..needle import make_builder, score
 from ..report import Result
-from ._shared import BASE_COLS, _answer, _base, _open_modes, _spread, _split_note, _verdict
+from ._shared import BASE_COLS, _answer, _base, _first_haystack, _open_modes, _spread, _split_note, _verdict
 
 
 def run_demo(cfg: BenchConfig) -> Result:
@@ -34,8 +34,7 @@ def run_demo(cfg: BenchConfig) -> Result:
         if na:
             raise RuntimeError("; ".join(f"{m[0]}: {why}" for m, why in na.items()))
         any_s = next(iter(sessions.values()))
-        builder = NeedleBuilder(any_s, cfg.seed, split=cfg.split,
-                                haystack=cfg.haystacks[0] if cfg.split == "reporting" else "prose")
+        builder = make_builder(any_s, cfg.seed, cfg.split, _first_haystack(cfg))
         trial = builder.trial(0, D - cfg.answer_tokens - window - 2, cfg.depths)
         first = {}
         for m, s in sessions.items():
@@ -87,6 +86,6 @@ def run_demo(cfg: BenchConfig) -> Result:
         f"the passkey is {trial.value} (needle at {trial.depth}% of the document); each decode window ({window} "
         f"tokens from the answer's end, greedy) holds {min(rescores)}-{max(rescores)} of the policy's rescores, "
         f"paid inside it",
-        _split_note(cfg, cfg.haystacks[:1] if cfg.split == "reporting" else ["prose"]),
+        _split_note(cfg, [_first_haystack(cfg)]),
     ]
     return res

@@ -25,14 +25,14 @@ import numpy as np
 
 from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session, qk_variant
 from ..report import Result
-from ..ruler import NEEDLE_TASKS, RulerBuilder, score
+from ..ruler import GENRE_HAYSTACKS, LIST_TASKS, RulerBuilder, score
 from ._shared import BASE_COLS, _base, _long_note, passkey_chunks, rank_of
 
 
 def _residencies(cfg: BenchConfig, task: str) -> list:
     """Residency denominators for a task: the aggregation guard at 1/4 and 1/8 (the issue's), the rest at
     the configured ones."""
-    return sorted(set(cfg.ruler_aggregate_residencies if task == "aggregate" else cfg.ruler_residencies))
+    return sorted(set(cfg.ruler_aggregate_residencies if task in LIST_TASKS else cfg.ruler_residencies))
 
 
 def _trial_key(D: int, task: str, hay: str, i: int) -> str:
@@ -116,20 +116,22 @@ def run_ruler(cfg: BenchConfig) -> Result:
     drafter, drafter_na = (None, "not asked for") if "drafter" not in cfg.policies else _drafter(cfg)
     policies = [p for p in cfg.policies if p != "drafter" or drafter is not None]
     floor = _core.min_pool_tokens(cfg.chunk_tokens or 64, 1, 4 if cfg.tail_chunks is None else cfg.tail_chunks)
-    n_trials = sum(cfg.needles * (1 if t == "aggregate" else len(hays)) for t in tasks) * len(ctxs)
+    n_trials = sum(cfg.needles * (1 if t in LIST_TASKS else len(hays)) for t in tasks) * len(ctxs)
     res = Result("ruler", f"RULER-style retrieval ({cfg.split} split, {cfg.needles} trial(s) per haystack and cell)",
                  BASE_COLS + [("context", "context"), ("task", "task"), ("residency", "residency"),
                               ("pool", "pool"), ("policy", "policy"), ("trials", "trials"), ("score", "score %"),
                               ("full", "full cache %"), ("of_full", "of full"), ("all", "all values"),
                               ("kept", "needed chunks kept"), ("ranks", "worst needed rank (free slots)"),
-                              ("rescore_ms", "prompt rescore ms"), ("decode_ms", "ms/token")])
+                              ("rescore_ms", "prompt rescore ms"), ("decode_ms", "ms/token")] +
+                 # per haystack when a corpus genre is among them (the per-genre breakdown)
+                 ([("by_haystack", "score % by haystack")] if set(hays) & set(GENRE_HAYSTACKS) else []))
     tmp = tempfile.mkdtemp(prefix="kvflash-ruler-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     snap = os.path.join(tmp, "prefill.kvfs")
     with Progress(n_trials, "ruler", cfg.quiet) as pb:
         for D in ctxs:
             reserve = cfg.answer_tokens
             if cfg.ruler_logged_only:
-                pb.advance(sum(cfg.needles * (1 if t == "aggregate" else len(hays)) for t in tasks),
+                pb.advance(sum(cfg.needles * (1 if t in LIST_TASKS else len(hays)) for t in tasks),
                            note=f"{ctx_label(D)}: from the log")
                 continue
             denoms = sorted({r for t in tasks for r in _residencies(cfg, t)})
@@ -151,7 +153,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                 sess[r] = (s, pols)
             builder = RulerBuilder(full, cfg.seed, split=cfg.split)
             for task in tasks:
-                for hay in (["list"] if task == "aggregate" else hays):
+                for hay in (["list"] if task in LIST_TASKS else hays):
                     for i in range(cfg.needles):
                         key = _trial_key(D, task, hay, i)
                         if key in done:
@@ -189,7 +191,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                                 s._settle_prompt(tr.ids)
                                 settle = time.perf_counter() - t0
                                 resc = s._rescore_s - r0
-                                if task == "aggregate":   # every occurrence counts: no chunk holds "the" value
+                                if task in LIST_TASKS:   # every occurrence counts: no chunk holds "the" value
                                     where = {"kept": None, "ranks": None, "chunks": None, "free_slots": None}
                                 else:
                                     where = _needed(s, tr.ids, tr.needles,
@@ -263,16 +265,27 @@ def _rows(cfg: BenchConfig, res: Result, done: dict, ctxs: list, tasks: list, ha
     for D in ctxs:
         for task in tasks:
             recs = [r for r in done.values() if r["context"] == D and r["task"] == task
-                    and (task == "aggregate" or r["haystack"] in hays)]
+                    and (task in LIST_TASKS or r["haystack"] in hays)]
             if not recs:
                 continue
             full = [next(m for m in r["modes"] if m["policy"] == "full") for r in recs]
             fscore = 100.0 * statistics.mean(m["score"] for m in full)
+            by_hay = task not in LIST_TASKS and bool(set(hays) & set(GENRE_HAYSTACKS))
+
+            def per_hay(pick) -> str:
+                """'code 50, chat 0': the cell's mean score per haystack, in the order asked for."""
+                out = []
+                for h in hays:
+                    xs = [m["score"] for r in recs if r["haystack"] == h for m in r["modes"] if pick(m)]
+                    if xs:
+                        out.append(f"{h} {100.0 * statistics.mean(xs):.0f}")
+                return ", ".join(out)
             base = {**_base(cfg), "threads": cfg.threads, "context": D, "task": task}
             res.rows.append({**base, "residency": "1", "pool": "-", "policy": "full", "trials": len(recs),
                              "score": round(fscore, 1), "full": round(fscore, 1), "of_full": "1.00",
                              "all": f"{sum(m['score'] == 1.0 for m in full)}/{len(full)}",
-                             "decode_ms": _ms_per_token(full)})
+                             "decode_ms": _ms_per_token(full),
+                             **({"by_haystack": per_hay(lambda m: m["policy"] == "full")} if by_hay else {})})
             for r in _residencies(cfg, task):
                 for pol in policies:
                     ms = [m for rec in recs for m in rec["modes"] if m["residency"] == r and m["policy"] == pol]
@@ -284,11 +297,13 @@ def _rows(cfg: BenchConfig, res: Result, done: dict, ctxs: list, tasks: list, ha
                            "of_full": "-" if fscore == 0 else f"{sc / fscore:.2f}",
                            "all": f"{sum(m['score'] == 1.0 for m in ms)}/{len(ms)}",
                            "decode_ms": _ms_per_token(ms)}
-                    if task != "aggregate":
+                    if by_hay:
+                        row["by_haystack"] = per_hay(lambda m, r=r, pol=pol: m["residency"] == r and m["policy"] == pol)
+                    if task not in LIST_TASKS:
                         row["kept"] = f"{sum(all(m['kept']) for m in ms)}/{len(ms)}"
                     if pol != "lru":
                         row["rescore_ms"] = round(1e3 * statistics.median(m["rescore_s"] for m in ms), 1)
-                    if pol != "lru" and task != "aggregate":
+                    if pol != "lru" and task not in LIST_TASKS:
                         worst = []
                         for m in ms:
                             rk = [x for x in (m.get("ranks") or []) if x is not None]

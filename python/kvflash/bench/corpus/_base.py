@@ -1,0 +1,66 @@
+"""What the genres share: the split halves of every list, a document's units, timestamps."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+SPLITS = ("tuning", "reporting")
+
+
+def check_split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"corpus split must be one of {SPLITS}, got {split!r} (there is no default: a caller "
+                         f"names the data it draws)")
+    return split
+
+
+def half(xs: list, split: str) -> list:
+    """The split's half of a list: even positions for tuning, odd for reporting (never both)."""
+    check_split(split)
+    return list(xs[0::2] if split == "tuning" else xs[1::2])
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One piece of a document (a line, a row, a sentence, a paragraph), its separator included.  `at`: the
+    fields a needle placed right before this unit takes to fit there (indentation, a timestamp, a speaker,
+    the leading cells of a table row)."""
+    text: str
+    at: dict
+
+
+class Vocab:
+    """A genre's lists cut to one split: every template and word list keeps only the split's half."""
+
+    def __init__(self, lists: dict, split: str):
+        self.split = check_split(split)
+        self._d = {k: half(v, split) for k, v in lists.items()}
+        for k, v in self._d.items():
+            if not v:
+                raise ValueError(f"list {k!r} has nothing in the {split} half")
+
+    def __getitem__(self, key: str) -> list:
+        return self._d[key]
+
+    def lists(self) -> dict:
+        """Every list of the split's half, by name (a copy)."""
+        return {k: list(v) for k, v in self._d.items()}
+
+    def pick(self, rng: random.Random, key: str):
+        return rng.choice(self._d[key])
+
+
+def hhmm(minutes: int) -> str:
+    return f"{(minutes // 60) % 24:02d}:{minutes % 60:02d}"
+
+
+def hms(seconds: int) -> str:
+    return f"{(seconds // 3600) % 24:02d}:{(seconds // 60) % 60:02d}:{seconds % 60:02d}"
+
+
+MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"]
+WEEKDAYS = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+
+
+def cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
