@@ -41,6 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tinygguf import write_tiny_model  # noqa: E402
 
 NMSE_TOL = {"f16": 1e-4, "q8_0": 5e-4}
+# The paged tests' pool: the smallest the pager takes (256 tokens), in 16-token chunks (16 blocks, 10 of them
+# evictable), so a 700-token prompt pages as a 512 pool of 64-token chunks pages 1536 tokens -- the same paths
+# at under half the tokens (lavapipe runs a tiny model's prompt at ~30 tokens/s on 2 cores).
+PAGED = dict(chunk_tokens=16, pool_tokens=256)
 REAL_NMSE_TOL = 3e-2   # a real quantized model (SmolLM2 Q4_1): see test_smollm2_greedy_tokens_equal_the_cpus
 
 
@@ -146,9 +150,9 @@ def test_full_cache_prefill_logits(models, arch, kv_type):
 def test_kvflash_paged_decode_logits_and_greedy(models, arch, kv_type):
     """kvflash: a prompt 3x the pool (pooled prefill with live eviction and paging
     through the device's pinned host buffers), then greedy decode; logits per step and the tokens."""
-    kw = dict(max_ctx=4096, pool_tokens=512, kv_type=kv_type, ubatch=64)
+    kw = dict(max_ctx=4096, kv_type=kv_type, ubatch=64, **PAGED)
     rc, rg, V = runtimes(models, arch, **kw)
-    errs, ta, tb, b = greedy_pair(rg, rc, toks(1536, 2, V), 48)
+    errs, ta, tb, b = greedy_pair(rg, rc, toks(700, 2, V), 24)
     worst = max(errs)
     report(f"kvflash-decode {arch} {kv_type}", worst, NMSE_TOL[kv_type])
     st = rg.pager.stats
@@ -173,9 +177,9 @@ def test_host_reads_of_the_pool_follow_the_copies(models):
     """The host reads of pool rows (chunk_keys, the key summaries made when a chunk
     seals, attention_scores) and the captured queries, on the device right after paging:
     they must see the bytes the queued copies and the kernels wrote (fence + sync)."""
-    kw = dict(max_ctx=4096, pool_tokens=512, kv_type="f16", ubatch=64, chunk_summaries=True, capture_queries=4)
+    kw = dict(max_ctx=4096, kv_type="f16", ubatch=64, chunk_summaries=True, capture_queries=4, **PAGED)
     rc, rg, V = runtimes(models, "llama", **kw)
-    t = toks(1300, 6, V)
+    t = toks(600, 6, V)
     for rt in (rg, rc):
         rt.eval(t, False)
         rt.pager.recall(2)  # page a chunk in just before reading it
@@ -247,15 +251,15 @@ def test_kvflash_matches_full_cache_on_the_device_while_prompt_fits(models, arch
 def test_truncate_and_reset_with_host_chunks(models):
     """Rewind into paged-out territory (the tail comes back from the pinned host buffers),
     then reset and run again: the device follows the CPU through the same pager decisions."""
-    rc, rg, V = runtimes(models, "llama", max_ctx=4096, pool_tokens=512, kv_type="q8_0", ubatch=64)
-    t = toks(1400, 4, V)
+    rc, rg, V = runtimes(models, "llama", max_ctx=4096, kv_type="q8_0", ubatch=64, **PAGED)
+    t = toks(650, 4, V)
     outs = []
     for rt in (rg, rc):
         o = [rt.eval(t, False)]
-        rt.truncate(700)
-        o.append(rt.eval(t[700:1100], False))
+        rt.truncate(325)
+        o.append(rt.eval(t[325:520], False))
         rt.reset()
-        o.append(rt.eval(t[:900], False))
+        o.append(rt.eval(t[:420], False))
         outs.append(o)
     for k, (a, b) in enumerate(zip(*outs)):
         err = nmse(a, b)
@@ -340,10 +344,10 @@ def test_device_kv_bytes_are_the_pools_not_the_contexts(models):
     _, gpu = models("llama")
     hp = gpu.hparams
     per_tok = 2 * hp["head_dim"] * hp["n_head_kv"] * 2 * len(gpu.global_layers)   # f16 K and V, paged layers
-    pooled = core.Runtime(gpu, max_ctx=8192, pool_tokens=512, kv_type="f16")
+    pooled = core.Runtime(gpu, max_ctx=8192, kv_type="f16", **PAGED)
     full = core.Runtime(gpu, max_ctx=8192, pool_tokens=0, kv_type="f16")
-    pooled.eval(toks(1500, 8, hp["n_vocab"]), False)
-    assert pooled.pager.stats["resident_bytes"] == 512 * per_tok
+    pooled.eval(toks(700, 8, hp["n_vocab"]), False)
+    assert pooled.pager.stats["resident_bytes"] == PAGED["pool_tokens"] * per_tok
     assert full.pager.stats["resident_bytes"] == 8192 * per_tok
     assert pooled.pager.stats["host_chunks"] > 0
 
@@ -354,9 +358,10 @@ def test_a_snapshot_saved_on_the_device_loads_on_the_cpu_and_continues(models, t
     decoding goes on from there as the device's own session does."""
     import kvflash
     _, gpu = models("llama")
-    kw = dict(max_ctx=4096, kvflash=512, policy="lru", threads=2, verbose=False, kv_type="f16")
+    kw = dict(max_ctx=4096, kvflash=PAGED["pool_tokens"], chunk_tokens=PAGED["chunk_tokens"], policy="lru",
+              threads=2, verbose=False, kv_type="f16")
     s = kvflash.Session(gpu.path, device=gpu.device, **kw)
-    s.prefill([int(t) for t in toks(1300, 9, gpu.hparams["n_vocab"])])
+    s.prefill([int(t) for t in toks(600, 9, gpu.hparams["n_vocab"])])
     assert s.pager.stats["host_chunks"] > 0
     path = tmp_path / "dev.kvsnap"
     s.save(path)
@@ -384,10 +389,11 @@ def test_a_drafter_scores_on_the_target_device(models, tmp_path):
     _, gpu = models("llama")
     dpath = tmp_path / "drafter.gguf"
     write_tiny_model(dpath, "llama", weight_type="f32", seed=12, ctx_len=8192, **ARCH_KW["llama"])
-    prompt = [int(t) for t in toks(1400, 10, gpu.hparams["n_vocab"])]
+    prompt = [int(t) for t in toks(650, 10, gpu.hparams["n_vocab"])]
     out = {}
     for dev in (gpu.device, "cpu"):
-        s = kvflash.Session(gpu.path, device=dev, max_ctx=4096, kvflash=512, policy="drafter", drafter=str(dpath),
+        s = kvflash.Session(gpu.path, device=dev, max_ctx=4096, kvflash=PAGED["pool_tokens"],
+                            chunk_tokens=PAGED["chunk_tokens"], policy="drafter", drafter=str(dpath),
                             threads=2, verbose=False, kv_type="f16")
         s.prefill(prompt)
         for _ in s.generate(max_tokens=4, ignore_eos=True, temperature=0):
