@@ -256,8 +256,10 @@ if [ $HAVE_GGUF = 0 ]; then
 elif [ $BUILD_OK = 1 ] || [ $DRY = 1 ]; then
     T=$(step_timeout 150 90)
     say "3. pytest (timeout ${T}s)"
+    # -m "not model": the SmolLM2 test fetches the model from the registry, which the GPU machine cannot reach
+    # (and its 93 MB exceed what a call carries); CI runs it on lavapipe.
     PYTHONUNBUFFERED=1 KVFLASH_TEST_DEVICE=cuda:0 timeout "$T" "$PY" -m pytest tests/test_gpu.py tests/test_device.py -v -s -rs \
-        -p no:cacheprovider > "$PT_LOG" 2>&1; rc=$?
+        -m "not model" -p no:cacheprovider > "$PT_LOG" 2>&1; rc=$?
     [ $DRY = 1 ] || "$PY" -c "import kvflash._core as c; print('build_info:', c.build_info())" >> "$PT_LOG" 2>&1
     grep -E "^build_info:" "$PT_LOG" | cut -c1-400 | sed 's/^/    /' >> "$SUMMARY"
     sum "- pytest exit $rc: $(tail -1 "$PT_LOG")"
