@@ -19,7 +19,8 @@ YaRN (factor 8 over an original context of 256).
 3. Paging (only the global layers are paged; the sliding ones keep the ring): a batch is its one-token
    steps bit for bit; exact evals over a pool far smaller than the prompt are the full cache bit for bit;
    exact mode's greedy tokens and logits are the full cache's (lru and qk); a pooled session decodes past
-   its pool; truncates within the ring's reach re-read to the same logits, beyond it are refused.
+   its pool; truncates within the ring's reach re-read to the same logits, beyond it are refused.  Layers on
+   an RPC server are refused at the first eval (ggml_add_id is not on the remote op list), clearly.
 4. A snapshot round trip mid-decode continues bit for bit (full cache and pool 256).
 5. Bad files are clear errors; the tokenizer (gpt2 BPE, pre-tokenizer gpt-4o, harmony's end-of-turn
    tokens) and the harmony chat template (the sdist's openai-gpt-oss-120b.jinja) work.
@@ -322,6 +323,18 @@ def test_truncate_within_the_ring_and_beyond(models):
     assert paged.n_past == n
     probe = _ids(1, seed=16)
     assert np.array_equal(paged.eval(probe, exact=True), full.eval(probe))
+
+
+def test_rpc_splits_are_refused_clearly(models):
+    """Layers on an RPC server: the experts' biases (ggml_add_id) are not on kvflash's list of ops for remote
+    devices, so the first eval is refused, naming the op, and the runtime is left as it was."""
+    from test_rpc import _start_server
+    _, ep = _start_server()
+    m = core.Model(models["main"]["path"], n_threads=1, rpc=[ep], tensor_split=[1, 1])
+    rt = core.Runtime(m, max_ctx=512, kv_type="f16")
+    with pytest.raises(ValueError, match="ADD_ID"):
+        rt.eval(_ids(10, seed=1))
+    assert rt.n_past == 0
 
 
 # --------------------------------------------------------------------------- 4. snapshots
