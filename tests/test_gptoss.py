@@ -371,6 +371,8 @@ def test_snapshot_round_trip_mid_decode(models, tmp_path, pool):
     (dict(extra={"gpt-oss.rope.scaling.original_context_length": 0}), "original_context_length"),
     (dict(extra={"gpt-oss.rope.scaling.type": "longrope"}), "longrope"),
     (dict(extra={"gpt-oss.rope.dimension_count": 16}), "partial RoPE"),
+    (dict(extra={"gpt-oss.attention.head_count": 8}), "'blk.0.attn_q.weight' has shape"),
+    (dict(extra={"gpt-oss.attention.sliding_window_pattern": [True, False]}), "2 values for 4 layers"),
 ])
 def test_bad_files(tmp_path, kw, match):
     bad = write_tiny_gptoss(tmp_path / "bad.gguf", seed=1, **kw)
