@@ -216,13 +216,13 @@ def test_pool_kernel_sinks_against_numpy(kind, tiled, n_split, table_rows):
 
 
 def test_the_attention_paths_agree(models):
-    """ggml_flash_attn_ext (sinks through ggml_flash_attn_ext_add_sinks) against the pool kernel: the CPU
-    flash attention rounds Q to f16 for its dot products with the f16 cache, the pool kernel does not."""
+    """ggml_flash_attn_ext (sinks through ggml_flash_attn_ext_add_sinks) against the pool kernel, batched: ggml's
+    CPU flash attention takes its tiled f32 kernel for a batch, so they differ by summation order (9e-6)."""
     path = models["main"]["path"]
     toks = _ids(300, seed=2)
     pool = _runtime(path, attn="pool").eval(toks, all_logits=True)
     ggml = _runtime(path, attn="ggml").eval(toks, all_logits=True)
-    assert 0 < llama_ref.normalized_error(ggml, pool) <= NE_TOL
+    assert 0 < llama_ref.normalized_error(ggml, pool) <= 1e-4
 
 
 def test_the_scorers_count_the_sinks(models):
