@@ -6,6 +6,7 @@ sdist's vendor/llama.cpp -- the same sources kvflash's ggml comes from -- into t
 subprocess, so llama.cpp's ggml never shares a process with kvflash's own.
 
     logits(path, tokens, batched=True)  -> float32 [n_tokens, n_vocab], every token an output
+                                           (flash_attn=True: ggml's flash attention, the peer of attn="ggml")
     normalized_error(a, b)              -> ||a - b|| / ||b|| over the whole array (test-backend-ops' NMSE, root)
 
 The first build takes a few minutes on two cores (76 objects); later calls find the binary.
@@ -100,10 +101,11 @@ def _build(base: Path) -> None:
 
 
 def logits(path: str | os.PathLike, tokens, *, batched: bool = True, threads: int = 2,
-           n_ctx: int | None = None) -> np.ndarray:
+           n_ctx: int | None = None, flash_attn: bool = False) -> np.ndarray:
     """llama.cpp's logits for every token of ``tokens`` (f16 K/V cache, flash attention off).
 
-    batched: one llama_decode of all tokens; else one token per llama_decode.
+    batched: one llama_decode of all tokens; else one token per llama_decode.  flash_attn: ggml's
+    flash attention instead (the peer of kvflash's attn="ggml" path: the same kernels by query count).
     """
     toks = np.asarray(tokens, dtype=np.int32)
     exe = binary()
@@ -114,6 +116,8 @@ def logits(path: str | os.PathLike, tokens, *, batched: bool = True, threads: in
                "--mode", "batch" if batched else "single", "--threads", str(threads)]
         if n_ctx:
             cmd += ["--n-ctx", str(n_ctx)]
+        if flash_attn:
+            cmd += ["--flash-attn", "on"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise RefError(f"llama_logits exit {p.returncode}:\n{p.stderr[-4000:]}")

@@ -2,7 +2,8 @@
 
 Writes complete, llama.cpp-loadable GGUF files for the architectures ``llama``,
 ``qwen2``, ``qwen3`` and ``gemma3`` using the pip ``gguf`` package's
-``GGUFWriter``.  Tensor names, shapes and metadata keys follow llama.cpp
+``GGUFWriter`` (the MoE and hybrid families: :func:`write_tiny_hybrid`; gpt-oss:
+:func:`write_tiny_gptoss`, below).  Tensor names, shapes and metadata keys follow llama.cpp
 (vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
 
 Tensor names (src/llama-arch.cpp, LLM_TENSOR_NAMES; gguf.constants.TENSOR_NAMES)::
@@ -158,10 +159,10 @@ def _add_extra_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
 
 def _write_tokenizer(w: gguf.GGUFWriter, vocab: dict[str, Any], n_vocab: int,
                      tokenizer_size: int | None = None,
-                     tokenizer_extra_merges: list[tuple[str, str]] | None = None) -> None:
+                     tokenizer_extra_merges: list[tuple[str, str]] | None = None, pre: str = "default") -> None:
     """The byte-level BPE tokenizer of make_vocab (optionally cut short or with extra merges)."""
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     tok_list, tok_types, tok_merges = list(vocab["tokens"]), list(vocab["token_types"]), list(vocab["merges"])
     if tokenizer_size is not None:
         if not vocab["eos_id"] < tokenizer_size <= n_vocab:
@@ -599,3 +600,155 @@ def write_tiny_hybrid(
     _write_tensors(w, arrays)
     return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "recurrent": recr[:n_layer],
             "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_rot": n_rot}}
+
+
+# gpt-oss's harmony tokens (o200k_harmony's specials), appended to make_vocab's as control tokens: the
+# file's BOS is <|startoftext|> and its EOS <|return|>, as in the released GGUFs.
+HARMONY_TOKENS = ("<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>")
+
+
+def write_tiny_gptoss(
+    path: str | Path,
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_swa: int = 32,
+    swa_pattern: int | list[bool] | None = None,
+    rope_base: float = 10000.0,
+    yarn_factor: float | None = 8.0,
+    yarn_orig_ctx: int = 256,
+    sink_mean: float = 1.0,
+    sink_std: float = 1.0,
+    router_scale: float = 4.0,
+    expert_scale: float = 2.5,
+    qkv_bias: bool = True,
+    ctx_len: int = 65536,
+    seed: int = 0,
+    weight_type: str = "f32",
+    expert_type: str | None = None,
+    rms_eps: float = 1e-5,
+    chat_template: str | None = None,
+    extra: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    retype: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A tiny random-weight gpt-oss GGUF, laid out as llama.cpp loads it (src/models/openai-moe.cpp).
+
+    Every layer: attn_norm; attn_q/k/v with biases (``qkv_bias``), attn_output with its bias, per-head
+    ``attn_sinks`` [n_head] (values ~ N(sink_mean, sink_std): sinks that take a real share of each softmax);
+    post_attention_norm (the FFN's pre-norm); the router ffn_gate_inp with its bias; experts
+    ffn_gate_exps / ffn_up_exps / ffn_down_exps each with a per-expert bias.  Keys: sliding_window
+    ``n_swa`` (alternate layers slide: llama.cpp's pattern 2, or ``swa_pattern``), expert_feed_forward_length,
+    YaRN (rope.scaling.type "yarn", factor ``yarn_factor``, original_context_length ``yarn_orig_ctx``; None:
+    no scaling keys), the gpt2 tokenizer with pre-tokenizer "gpt-4o" and the harmony specials.  The router
+    is ``router_scale`` times the other matrices' scale so top-k has a margin; the experts' gate and up are
+    ``expert_scale`` times it so swiglu_oai's clamps (7) are reached.  ``expert_type="mxfp4"``: the experts'
+    matrices stored as MXFP4, as the released files store them.  ``drop``: tensor names left out;
+    ``retype``: tensor name -> numpy dtype (a file that breaks the rules).  Returns {"path", "vocab",
+    "n_vocab", "is_swa", "hparams"}.
+    """
+    if weight_type not in ("f32", "f16"):
+        raise ValueError("weight_type must be 'f32' or 'f16'")
+    if expert_type not in (None, "mxfp4"):
+        raise ValueError("expert_type must be None or 'mxfp4'")
+    if expert_type and (n_embd % 32 or n_ff_exp % 32):
+        raise ValueError("mxfp4 experts need n_embd and n_ff_exp multiples of 32")
+    vocab = make_vocab()
+    for t in HARMONY_TOKENS:
+        vocab["tokens"].append(t)
+        vocab["token_types"].append(int(gguf.TokenType.CONTROL))
+    vocab["bos_id"] = vocab["tokens"].index("<|startoftext|>")
+    vocab["eos_id"] = vocab["tokens"].index("<|return|>")
+    n_vocab = len(vocab["tokens"])
+    rng = np.random.default_rng(seed)
+    np_wtype = np.float16 if weight_type == "f16" else np.float32
+    arrays: dict[str, Any] = {}
+
+    def mat(name: str, *shape: int, std: float, dtype=None) -> None:
+        arrays[name] = (rng.standard_normal(shape) * std).astype(dtype or np_wtype)
+
+    def vec(name: str, *shape: int, mean: float, std: float) -> None:
+        arrays[name] = (mean + rng.standard_normal(shape) * std).astype(np.float32)
+
+    E, D, H, Hkv, X, F = n_embd, head_dim, n_head, n_head_kv, n_expert, n_ff_exp
+    inv = 1.0 / math.sqrt(E)
+    mat("token_embd.weight", n_vocab, E, std=0.3)
+    vec("output_norm.weight", E, mean=1.0, std=0.1)
+    mat("output.weight", n_vocab, E, std=0.3)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", E, mean=1.0, std=0.1)
+        mat(p + "attn_q.weight", D * H, E, std=inv)
+        mat(p + "attn_k.weight", D * Hkv, E, std=inv)
+        mat(p + "attn_v.weight", D * Hkv, E, std=inv)
+        if qkv_bias:
+            vec(p + "attn_q.bias", D * H, mean=0.0, std=0.2)
+            vec(p + "attn_k.bias", D * Hkv, mean=0.0, std=0.2)
+            vec(p + "attn_v.bias", D * Hkv, mean=0.0, std=0.2)
+        mat(p + "attn_output.weight", E, D * H, std=1.0 / math.sqrt(D * H))
+        vec(p + "attn_output.bias", E, mean=0.0, std=0.1)
+        vec(p + "attn_sinks.weight", H, mean=sink_mean, std=sink_std)
+        vec(p + "post_attention_norm.weight", E, mean=1.0, std=0.1)
+        mat(p + "ffn_gate_inp.weight", X, E, std=router_scale * inv, dtype=np.float32)
+        vec(p + "ffn_gate_inp.bias", X, mean=0.0, std=0.3)
+        mat(p + "ffn_gate_exps.weight", X, F, E, std=expert_scale * inv)
+        mat(p + "ffn_up_exps.weight", X, F, E, std=expert_scale * inv)
+        mat(p + "ffn_down_exps.weight", X, E, F, std=1.0 / math.sqrt(F))
+        vec(p + "ffn_gate_exps.bias", X, F, mean=0.0, std=0.2)
+        vec(p + "ffn_up_exps.bias", X, F, mean=0.0, std=0.2)
+        vec(p + "ffn_down_exps.bias", X, E, mean=0.0, std=0.1)
+    if expert_type == "mxfp4":
+        for name in [n for n in arrays if n.endswith("_exps.weight")]:
+            q = gguf.quants.quantize(arrays[name].astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+            arrays[name] = (q, gguf.GGMLQuantizationType.MXFP4)
+    for name in drop:
+        del arrays[name]
+    for name, dt in (retype or {}).items():
+        arrays[name] = arrays[name].astype(dt)
+
+    arch = "gpt-oss"
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-gpt-oss")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16" else gguf.LlamaFileType.ALL_F32))
+    meta: dict[str, Any] = {
+        f"{arch}.context_length": ctx_len,
+        f"{arch}.embedding_length": E,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.feed_forward_length": F,
+        f"{arch}.attention.head_count": H,
+        f"{arch}.attention.head_count_kv": Hkv,
+        f"{arch}.attention.key_length": D,
+        f"{arch}.attention.value_length": D,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{arch}.rope.freq_base": float(rope_base),
+        f"{arch}.expert_count": X,
+        f"{arch}.expert_used_count": n_expert_used,
+        f"{arch}.expert_feed_forward_length": F,
+        f"{arch}.attention.sliding_window": n_swa,
+    }
+    if swa_pattern is not None:
+        meta[f"{arch}.attention.sliding_window_pattern"] = swa_pattern
+    if yarn_factor is not None:
+        meta[f"{arch}.rope.scaling.type"] = "yarn"
+        meta[f"{arch}.rope.scaling.factor"] = float(yarn_factor)
+        meta[f"{arch}.rope.scaling.original_context_length"] = yarn_orig_ctx
+    if chat_template is not None:
+        meta["tokenizer.chat_template"] = chat_template
+    meta.update(extra or {})   # extra: more keys, or other values for these (a mistaken or hostile file)
+    _write_tokenizer(w, vocab, n_vocab, pre="gpt-4o")
+    for k, v in meta.items():
+        if v is None:
+            continue           # extra may remove a key by naming it with None
+        _add_extra_kv(w, k, v)
+    _write_tensors(w, arrays)
+    is_swa = swa_layers(n_layer, n_swa, 2 if swa_pattern is None else swa_pattern)
+    return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "is_swa": is_swa,
+            "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_swa": n_swa}}

@@ -93,6 +93,8 @@ model and as an RPC server holds its layers: weight_placement says what each par
             d["n_vocab"] = h.n_vocab; d["n_ctx_train"] = h.n_ctx_train; d["rms_eps"] = h.rms_eps;
             d["rope_base"] = h.rope_base; d["rope_base_swa"] = h.rope_base_swa; d["rope_mode"] = h.rope_mode;
             d["n_swa"] = h.n_swa; d["attn_scale"] = h.attn_scale;
+            d["rope_scale"] = h.rope_scale; d["rope_ext_factor"] = h.rope_ext_factor;
+            d["rope_attn_factor"] = h.rope_attn_factor; d["rope_n_ctx_orig"] = h.rope_n_ctx_orig;
             std::vector<bool> swa(h.is_swa.begin(), h.is_swa.end());
             d["is_swa"] = swa;
             return d;

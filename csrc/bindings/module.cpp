@@ -231,7 +231,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("pool_attention", [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array k, py::array v,
                                py::array_t<uint8_t, py::array::c_style | py::array::forcecast> visible,
                                const std::string &kv_type, int32_t n_head_kv, float scale, int32_t n_split,
-                               int32_t n_threads, bool quant_dots, bool tiled, int32_t table_rows) {
+                               int32_t n_threads, bool quant_dots, bool tiled, int32_t table_rows, py::object sinks_obj) {
         const ggml_type t = kv_type_from_name(kv_type);
         if (q.ndim() != 3) throw std::invalid_argument("pool_attention: q must be [n, n_head, head_dim] float32");
         const int32_t n = int32_t(q.shape(0)), H = int32_t(q.shape(1)), D = int32_t(q.shape(2));
@@ -248,19 +248,27 @@ PYBIND11_MODULE(_core, m) {
         const int64_t n_kv = kb.shape(0);
         if (visible.ndim() != 2 || visible.shape(0) != n || visible.shape(1) != n_kv)
             throw std::invalid_argument("pool_attention: visible must be [n, n_kv]");
+        py::array_t<float, py::array::c_style | py::array::forcecast> sinks;
+        if (!sinks_obj.is_none()) {
+            sinks = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(sinks_obj);
+            if (!sinks || sinks.ndim() != 1 || sinks.shape(0) != H)
+                throw std::invalid_argument("pool_attention: sinks must be [n_head] float32");
+        }
         py::array_t<float> out({py::ssize_t(n), py::ssize_t(H), py::ssize_t(D)});
         {
             py::gil_scoped_release nogil;
             pool_attention_once(q.data(), n, H, n_head_kv, D, t, kb.data(), vb.data(), n_kv, visible.data(), scale,
-                                n_split, n_threads, quant_dots, out.mutable_data(), tiled, table_rows);
+                                n_split, n_threads, quant_dots, out.mutable_data(), tiled, table_rows,
+                                sinks_obj.is_none() ? nullptr : sinks.data());
         }
         return out;
     }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("visible"), py::arg("kv_type"), py::arg("n_head_kv"),
        py::arg("scale"), py::arg("n_split") = 1, py::arg("n_threads") = 1, py::arg("quant_dots") = false,
-       py::arg("tiled") = true, py::arg("table_rows") = 0,
+       py::arg("tiled") = true, py::arg("table_rows") = 0, py::arg("sinks") = py::none(),
        "The CPU pool attention op once over these arrays (tests): q [n, H, D] float32, k / v [n_kv, row bytes] rows "
        "of kv_type, visible [n, n_kv]; returns [n, H, D].  table_rows > 0: the rows are read through a row table "
-       "of chunks of that many rows, stored out of order (the exact mode's path).");
+       "of chunks of that many rows, stored out of order (the exact mode's path).  sinks [H] float32: per-head "
+       "attention sinks (one more logit in each softmax, no value: gpt-oss).");
     m.def("bench_pool_attention", [](int32_t n_kv, int32_t head_dim, int32_t n_head, int32_t n_head_kv,
                                      const std::string &kv_type, int32_t n_threads, int32_t n_layers, int32_t n_queries,
                                      int32_t iters, uint64_t seed, bool quant_dots, bool tiled) {

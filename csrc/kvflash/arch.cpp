@@ -11,7 +11,7 @@ namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
 #define KVFLASH_ARCHS(X) \
-    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe)
+    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
@@ -39,18 +39,22 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     const int32_t D = hp->head_dim_k, H = hp->n_head, Hkv = hp->n_head_kv;
     const bool swa = hp->is_swa[il] != 0;
     const float base = swa ? hp->rope_base_swa : hp->rope_base, scale = swa ? hp->rope_scale_swa : hp->rope_scale;
+    // YaRN's terms (0, 1, 32, 1 and the trained context unless the file asks for YaRN: model.h)
+    const int n_orig = int(hp->rope_n_ctx_orig);
+    const float ext = hp->rope_ext_factor, mag = hp->rope_attn_factor, bfast = hp->rope_beta_fast, bslow = hp->rope_beta_slow;
     if (hp->rope_multi) {
         int sections[4];
         std::copy(hp->rope_sections, hp->rope_sections + 4, sections);
-        q = ggml_rope_multi(ctx, q, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, int(hp->n_ctx_train), base, scale,
-                            0.f, 1.f, 32.f, 1.f);
-        k = ggml_rope_multi(ctx, k, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, int(hp->n_ctx_train), base, scale,
-                            0.f, 1.f, 32.f, 1.f);
+        q = ggml_rope_multi(ctx, q, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
+                            bslow);
+        k = ggml_rope_multi(ctx, k, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
+                            bslow);
     } else {
-        q = ggml_rope_ext(ctx, q, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
-        k = ggml_rope_ext(ctx, k, pos, nullptr, hp->n_rot, hp->rope_mode, int(hp->n_ctx_train), base, scale, 0.f, 1.f, 32.f, 1.f);
+        q = ggml_rope_ext(ctx, q, pos, nullptr, hp->n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
+        k = ggml_rope_ext(ctx, k, pos, nullptr, hp->n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
     }
     const LayerCache &c = caches[il];
+    ggml_tensor *sinks = weights(il).attn_sinks;   // [H] f32, or none
     if (c.paged && n_capture > 0) {
         ggml_tensor *ql = ggml_view_3d(ctx, q, D, H, n_capture, q->nb[1], q->nb[2], size_t(n - n_capture) * q->nb[2]);
         ql = ggml_cont(ctx, ql);
@@ -70,18 +74,19 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
         // Exact mode: the rows come through the layer's row table (pool and host store); the
         // stored tensors are operands for the order after their writes.
         c.params->scale = kq_scale;
-        att = pool_attention_cpu(ctx, q, ks, vs, c.mask, c.params);
+        att = pool_attention_cpu(ctx, q, ks, vs, c.mask, c.params, sinks);
     } else if (pool_attn) {
         ggml_tensor *k2 = ggml_view_2d(ctx, ks, ks->ne[0], c.n_kv, ks->nb[1], 0);
         ggml_tensor *v2 = ggml_view_2d(ctx, vs, vs->ne[0], c.n_kv, vs->nb[1], 0);
         c.params->scale = kq_scale;
-        att = pool_attention_cpu(ctx, q, k2, v2, c.mask, c.params);  // [D, H, n]
+        att = pool_attention_cpu(ctx, q, k2, v2, c.mask, c.params, sinks);  // [D, H, n]
     } else {
         // k: [D, n_kv, Hkv] viewed from the stored rows [n_embd_k, n_kv].
         ggml_tensor *kv_k = ggml_view_3d(ctx, ks, D, c.n_kv, Hkv, ks->nb[1], ggml_row_size(ks->type, D), 0);
         ggml_tensor *kv_v = ggml_view_3d(ctx, vs, D, c.n_kv, Hkv, vs->nb[1], ggml_row_size(vs->type, D), 0);
         ggml_tensor *qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [D, n, H]
         att = ggml_flash_attn_ext(ctx, qp, kv_k, kv_v, c.mask, kq_scale, 0.f, 0.f);
+        if (sinks) ggml_flash_attn_ext_add_sinks(att, sinks);
         ggml_prec_set_acc(att, GGML_PREC_F32);
     }
     return ggml_reshape_2d(ctx, att, int64_t(D) * H, n);
@@ -116,10 +121,15 @@ ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
     // The routed mixture, as llama.cpp's build_moe_ffn computes it for these options.
     const int64_t E = hp->n_embd, X = hp->n_expert, k = hp->n_expert_used;
     ggml_tensor *logits = mm(L.ffn_gate_inp, x);  // [X, n]
-    ggml_tensor *probs = hp->expert_gating == Hparams::Gating::Sigmoid ? ggml_sigmoid(ctx, logits)
-                                                                       : ggml_soft_max(ctx, logits);
+    if (L.ffn_gate_inp_b) logits = ggml_add(ctx, logits, L.ffn_gate_inp_b);
+    const Hparams::Gating gating = hp->expert_gating;
+    ggml_tensor *probs = gating == Hparams::Gating::Sigmoid         ? ggml_sigmoid(ctx, logits)
+                         : gating == Hparams::Gating::SoftmaxWeight ? logits   // the softmax comes after the pick
+                                                                    : ggml_soft_max(ctx, logits);
     ggml_tensor *picked = ggml_argsort_top_k(ctx, probs, int(k));  // [k, n] i32
     ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, X, n), picked);  // [1, k, n]
+    if (gating == Hparams::Gating::SoftmaxWeight)   // a softmax over the chosen k logits
+        w = ggml_reshape_3d(ctx, ggml_soft_max(ctx, ggml_reshape_2d(ctx, w, k, n)), 1, k, n);
     if (hp->expert_weights_norm) {
         ggml_tensor *w2 = ggml_reshape_2d(ctx, w, k, n);
         // the sum kept off zero at f16's smallest normal, as llama.cpp does
@@ -138,7 +148,13 @@ ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
         up = mm_id(L.ffn_up_exps, xr, picked);
         gate = mm_id(L.ffn_gate_exps, xr, picked);
     }
-    ggml_tensor *experts = mm_id(L.ffn_down_exps, ggml_swiglu_split(ctx, gate, up), picked);  // [E, k, n]
+    // each picked expert's own biases (gpt-oss)
+    if (L.ffn_up_exps_b) up = ggml_add_id(ctx, up, L.ffn_up_exps_b, picked);
+    if (L.ffn_gate_exps_b) gate = ggml_add_id(ctx, gate, L.ffn_gate_exps_b, picked);
+    ggml_tensor *act = hp->expert_act == Hparams::ExpertAct::SwigluOai ? ggml_swiglu_oai(ctx, gate, up, 1.702f, 7.0f)
+                                                                      : ggml_swiglu_split(ctx, gate, up);
+    ggml_tensor *experts = mm_id(L.ffn_down_exps, act, picked);  // [E, k, n]
+    if (L.ffn_down_exps_b) experts = ggml_add_id(ctx, experts, L.ffn_down_exps_b, picked);
     experts = ggml_mul(ctx, experts, w);
     // the experts summed in selection order
     ggml_tensor *out = ggml_view_2d(ctx, experts, E, n, experts->nb[2], 0);

@@ -123,6 +123,9 @@ struct ArchOps {
     // load_layer loads every tensor of a layer (the hybrids: their layers are not the shared
     // attention + FFN block); else Model::load reads the shared ones first.
     bool whole_layers = false;
+    // The family's graph takes YaRN RoPE (Hparams::rope_ext_factor != 0); a file asking for it is refused
+    // by the others.
+    bool yarn = false;
 };
 
 // Layer il's feed-forward weights: the dense SwiGLU (ffn_gate / ffn_up / ffn_down), or load_moe's.

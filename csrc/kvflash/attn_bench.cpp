@@ -48,7 +48,7 @@ uint64_t read_pass(const std::vector<const uint8_t *> &bufs, size_t bytes_each) 
 void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *kd, const uint8_t *vd, int64_t n_kv, const uint8_t *visible, float scale,
                          int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled,
-                         int32_t table_rows) {
+                         int32_t table_rows, const float *sinks) {
     if (n < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1 || n_kv < 1 || n_split < 1 || n_threads < 1)
         throw std::invalid_argument("pool_attention: need n, heads, head_dim, slots, ranges and threads >= 1 and "
                                     "n_head a multiple of n_head_kv");
@@ -58,7 +58,7 @@ void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int
         throw std::invalid_argument("pool_attention: a K/V row is not a whole number of blocks of its type");
     const size_t row = ggml_row_size(type, int64_t(D) * Hkv);
     const size_t mem = 2 * row * size_t(n_kv) + size_t(D) * H * n * 4 * 2 + size_t(n_kv) * n * 2 +
-                       size_t(D + 2) * H * n * n_split * 4 + 8 * ggml_tensor_overhead() + ggml_graph_overhead() +
+                       size_t(D + 2) * H * n * n_split * 4 + size_t(H) * 4 + 8 * ggml_tensor_overhead() + ggml_graph_overhead() +
                        (size_t(1) << 16);
     ggml_init_params ip{mem, nullptr, false};
     ggml_context *ctx = ggml_init(ip);
@@ -103,7 +103,12 @@ void pool_attention_once(const float *qd, int32_t n, int32_t H, int32_t Hkv, int
         std::memset(k->data, 0xAB, ggml_nbytes(k));   // never read through the table path
         std::memset(v->data, 0xAB, ggml_nbytes(v));
     }
-    ggml_tensor *o = pool_attention_cpu(ctx, q, k, v, mask, &params);
+    ggml_tensor *st = nullptr;
+    if (sinks) {
+        st = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, H);
+        std::memcpy(st->data, sinks, ggml_nbytes(st));
+    }
+    ggml_tensor *o = pool_attention_cpu(ctx, q, k, v, mask, &params, st);
     ggml_cgraph *gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, o);
     ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);

@@ -15,9 +15,10 @@ namespace kvflash {
 void pool_attention_once(const float *q, int32_t n, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                          const uint8_t *k, const uint8_t *v, int64_t n_kv, const uint8_t *visible, float scale,
                          int32_t n_split, int32_t n_threads, bool quant_dots, float *out, bool tiled = true,
-                         int32_t table_rows = 0);
+                         int32_t table_rows = 0, const float *sinks = nullptr);
 // table_rows > 0: the rows are first scattered into chunks of table_rows rows, laid out in a
 // shuffled order, and read through a RowTable (the exact mode's path), zeroed past n_kv.
+// sinks ([H], or null): per-head attention sinks (pool_attention_cpu).
 
 // The pool attention op alone, for the bench: n_layers independent K/V pools of n_kv
 // slots (random rows of `type`, every slot visible), one decode query per layer, all

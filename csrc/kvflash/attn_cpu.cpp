@@ -781,9 +781,13 @@ static void attn_partial(ggml_tensor *dst, int ith, int nth, void *ud) {
     }
 }
 
-// dst: [D, H, n] <- merge of the S ranges in partials [D + 2, H, n, S].
+// dst: [D, H, n] <- merge of the S ranges in partials [D + 2, H, n, S].  With sinks (src[1], [H] f32:
+// gpt-oss), head h's sink is one more logit (already scaled) in the denominator with no value: the
+// running max takes it in and the sum adds exp(sink - max), so a query that sees no slot gets zeros, as
+// ggml's attention does.
 static void attn_reduce(ggml_tensor *dst, int ith, int nth, void *) {
     const ggml_tensor *pt = dst->src[0];
+    const float *sinks = dst->src[1] ? static_cast<const float *>(dst->src[1]->data) : nullptr;
     const int64_t D = dst->ne[0], H = dst->ne[1], n = dst->ne[2], S = pt->ne[3];
     for (int64_t r = ith; r < H * n; r += nth) {
         const int64_t h = r % H, i = r / H;
@@ -792,6 +796,7 @@ static void attn_reduce(ggml_tensor *dst, int ith, int nth, void *) {
             const float *p = reinterpret_cast<const float *>(static_cast<const char *>(pt->data) + h * pt->nb[1] + i * pt->nb[2] + s * pt->nb[3]);
             if (p[1] > 0.f) M = std::max(M, p[0]);
         }
+        if (sinks) M = std::max(M, sinks[h]);
         float *out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + h * dst->nb[1] + i * dst->nb[2]);
         std::fill(out, out + D, 0.f);
         float L = 0.f;
@@ -802,6 +807,7 @@ static void attn_reduce(ggml_tensor *dst, int ith, int nth, void *) {
             L += w * p[1];
             for (int64_t e = 0; e < D; ++e) out[e] += w * p[2 + e];
         }
+        if (sinks) L += std::exp(sinks[h] - M);
         const float inv = L > 0.f ? 1.f / L : 0.f;
         for (int64_t e = 0; e < D; ++e) out[e] *= inv;
     }
@@ -822,8 +828,9 @@ bool pool_attention_tiled_available() {
 }
 
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, ggml_tensor *mask,
-                                const PoolAttnParams *params) {
+                                const PoolAttnParams *params, ggml_tensor *sinks) {
     GGML_ASSERT(q->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F16);
+    GGML_ASSERT(!sinks || (sinks->type == GGML_TYPE_F32 && ggml_is_contiguous(sinks) && ggml_nelements(sinks) == q->ne[1]));
     GGML_ASSERT(mask->ne[1] >= q->ne[2]);
     GGML_ASSERT(ggml_row_size(k->type, q->ne[0]) <= sizeof(kZeroRow) && ggml_row_size(v->type, q->ne[0]) <= sizeof(kZeroRow));
     // With a row table its owner fills it before each compute, covering every attended row.
@@ -832,8 +839,8 @@ ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *
     ggml_tensor *args[4] = {q, k, v, mask};
     ggml_tensor *part = ggml_custom_4d(ctx, GGML_TYPE_F32, D + 2, H, n, params->n_split, args, 4, attn_partial,
                                        GGML_N_TASKS_MAX, const_cast<PoolAttnParams *>(params));
-    ggml_tensor *rargs[1] = {part};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, D, H, n, 1, rargs, 1, attn_reduce, GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor *rargs[2] = {part, sinks};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, D, H, n, 1, rargs, sinks ? 2 : 1, attn_reduce, GGML_N_TASKS_MAX, nullptr);
 }
 
 }  // namespace kvflash

@@ -65,9 +65,11 @@ bool pool_attention_tiled_available();
 // k, v: [D*Hkv, n_kv]  pool rows (views of the stored pool tensors); with params->rows, any
 //                      rows of that width (the table supplies n_kv rows)
 // mask: [n_kv, n]      f16, 0 or -inf (its first dimension is n_kv)
+// sinks: [H] f32 or null: per query head one more logit (scaled already) in the softmax's
+//        denominator, with no value (gpt-oss's attention sinks); merged in the split-K reduce
 // returns [D, H, n] f32.  params must outlive the graph's computations.
 ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v,
-                                ggml_tensor *mask, const PoolAttnParams *params);
+                                ggml_tensor *mask, const PoolAttnParams *params, ggml_tensor *sinks = nullptr);
 
 // Attention probabilities paid by nq captured queries to the pool's slots, for
 // one layer: per head a softmax over the slots visible to each query (written
@@ -80,13 +82,15 @@ ggml_tensor *pool_attention_cpu(ggml_context *ctx, ggml_tensor *q, ggml_tensor *
 // chunk of chunk_tokens positions instead, each head's attention mass summed over the
 // chunk (mean over the queries), and the max over heads.  groups (length n_pos) instead
 // maps each position to one of n_groups outputs the same way (< 0: counted nowhere).
+// sinks ([H], or null): the layer's attention sinks, each one more logit in its head's softmax
+// denominator (the probabilities are the layer's own: a head that pays its sink pays the keys less).
 void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                           const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
                           const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens = 0,
-                          const int32_t *groups = nullptr, int64_t n_groups = 0);
+                          const int32_t *groups = nullptr, int64_t n_groups = 0, const float *sinks = nullptr);
 
 void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
                           int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
-                          int64_t n_pos);
+                          int64_t n_pos, const float *sinks = nullptr);
 
 }  // namespace kvflash

@@ -15,7 +15,7 @@ namespace kvflash {
 void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, ggml_type type,
                           const uint8_t *rows, size_t row_bytes, int64_t n_rows, const int64_t *row_pos,
                           const int64_t *q_pos, float scale, float *out, int64_t n_pos, int32_t chunk_tokens,
-                          const int32_t *groups, int64_t n_groups) {
+                          const int32_t *groups, int64_t n_groups, const float *sinks) {
     if (n_rows <= 0 || nq <= 0) return;
     const int64_t n_chunks = groups ? n_groups : chunk_tokens > 0 ? (n_pos + chunk_tokens - 1) / chunk_tokens : 0;
     std::vector<double> csum(static_cast<size_t>(n_chunks), 0.0);
@@ -66,6 +66,9 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
                     pr[j] = std::exp((pr[j] - mx) * scale);
                     sum += pr[j];
                 }
+                // the head's sink takes its share of the mass, as in the layer's attention (past every key:
+                // the sum is inf and the keys' shares 0)
+                if (sinks) sum += std::exp(sinks[g * G + hh] - mx * scale);
                 const float inv = 1.f / sum / float(nq);
                 for (int64_t j = 0; j < nv; ++j) avg[size_t(j)] += pr[j] * inv;
             }
@@ -86,11 +89,12 @@ void attention_probs_rows(const float *q, int32_t nq, int32_t H, int32_t Hkv, in
 
 void pool_attention_probs(const float *q, int32_t nq, int32_t H, int32_t Hkv, int32_t D, const ggml_tensor *k,
                           int32_t n_kv, const int64_t *slot_pos, const int64_t *q_pos, float scale, float *out,
-                          int64_t n_pos) {
+                          int64_t n_pos, const float *sinks) {
     if (n_kv <= 0 || nq <= 0) return;
     std::vector<uint8_t> raw(size_t(n_kv) * k->nb[1]);
     ggml_backend_tensor_get(const_cast<ggml_tensor *>(k), raw.data(), 0, raw.size());
-    attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos, 0);
+    attention_probs_rows(q, nq, H, Hkv, D, k->type, raw.data(), k->nb[1], n_kv, slot_pos, q_pos, scale, out, n_pos, 0,
+                         nullptr, 0, sinks);
 }
 
 }  // namespace kvflash

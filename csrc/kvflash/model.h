@@ -38,6 +38,13 @@ struct Hparams {
     float rope_base = 10000.f, rope_scale = 1.f;      // global layers
     float rope_base_swa = 10000.f, rope_scale_swa = 1.f;
     int rope_mode = 0;                                // 0 normal (llama), 2 neox
+    // YaRN (rope.scaling.type "yarn"; ggml_rope_ext's last four arguments), every layer alike: the ramp's
+    // weight (0: plain or linear scaling, these others then unused), the magnitude factor, the ramp's
+    // bounds; rope_n_ctx_orig is rope.scaling.original_context_length (else context_length), where the
+    // ramp's dimensions are computed from.  llama.cpp's defaults (llama-context.cpp) unless the file's
+    // rope.scaling keys say otherwise.
+    float rope_ext_factor = 0.f, rope_attn_factor = 1.f, rope_beta_fast = 32.f, rope_beta_slow = 1.f;
+    int64_t rope_n_ctx_orig = 0;
     int32_t n_swa = 0;                                // sliding window (0: none)
     std::vector<uint8_t> is_swa;                      // per layer
     // Per layer: a recurrent layer (qwen35's Gated DeltaNet) keeps conv and SSM state instead of KV
@@ -64,7 +71,12 @@ struct Hparams {
     // n_expert experts of width n_ff_exp (ggml_mul_mat_id), plus an always-on shared expert of width
     // n_ff_shexp when the file has one; n_ff is then only the fallback width.
     int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
-    enum class Gating : uint8_t { Softmax, Sigmoid } expert_gating = Gating::Softmax;
+    // Softmax / Sigmoid: over all the router's logits, the top k of those probabilities kept; SoftmaxWeight
+    // (gpt-oss): the top k of the logits themselves, a softmax over the k chosen.
+    enum class Gating : uint8_t { Softmax, Sigmoid, SoftmaxWeight } expert_gating = Gating::Softmax;
+    // The experts' gated activation: SwiGLU, or gpt-oss's clamped variant (ggml_swiglu_oai, alpha 1.702,
+    // limit 7: llama.cpp's constants).
+    enum class ExpertAct : uint8_t { Swiglu, SwigluOai } expert_act = ExpertAct::Swiglu;
     bool expert_weights_norm = false;                 // the chosen experts' weights divided by their sum
     float expert_weights_scale = 0.f;                 // then multiplied by this (0 or 1: not scaled)
     int32_t n_embd_k() const { return head_dim_k * n_head_kv; }
@@ -77,6 +89,10 @@ struct LayerWeights {
     ggml_tensor *bq = nullptr, *bk = nullptr, *bv = nullptr;           // qwen2
     ggml_tensor *q_norm = nullptr, *k_norm = nullptr;                  // qwen3, gemma3
     ggml_tensor *attn_post_norm = nullptr, *ffn_post_norm = nullptr;   // gemma3
+    ggml_tensor *bo = nullptr;                                         // attn_output's bias [n_embd] (gpt-oss)
+    // Per query head, an attention sink [n_head] (gpt-oss): one more logit in each softmax's denominator,
+    // with no value, after the scale (Forward::attention passes it to both attention paths).
+    ggml_tensor *attn_sinks = nullptr;
     ggml_tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr;
     // MoE: the router [n_embd, n_expert], the experts [n_embd, n_ff_exp, n_expert] (gate and up, or
     // both in one [n_embd, 2 n_ff_exp, n_expert]) and [n_ff_exp, n_embd, n_expert]; the shared expert and its one-output sigmoid gate [n_embd].
@@ -84,6 +100,10 @@ struct LayerWeights {
                 *ffn_down_exps = nullptr;
     ggml_tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
                 *ffn_down_shexp = nullptr;
+    // Biases (gpt-oss): the router's [n_expert]; each expert's own on gate and up [n_ff_exp, n_expert] and
+    // on down [n_embd, n_expert], picked per token with the experts (ggml_add_id).
+    ggml_tensor *ffn_gate_inp_b = nullptr, *ffn_gate_exps_b = nullptr, *ffn_up_exps_b = nullptr,
+                *ffn_down_exps_b = nullptr;
     // Gated DeltaNet (a recurrent layer): the q/k/v projection [n_embd, conv channels] and the output
     // gate z [n_embd, d_inner]; the conv kernel [d_conv, channels] (f32); the decay's bias and -exp(A)
     // [dt_rank]; beta and alpha [n_embd, dt_rank]; the gated norm [head dim]; the output [d_inner, n_embd].

@@ -261,13 +261,34 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     if (!(hp.rms_eps > 0.f) || hp.rms_eps > 1.f)
         throw std::invalid_argument(kv.file + ": layer_norm_rms_epsilon out of range");
     hp.rope_base = finite_key(kv, "rope.freq_base", 10000.0, true);
+    hp.rope_n_ctx_orig = hp.n_ctx_train;
     const std::string scaling = kv.get_str(kv.arch + ".rope.scaling.type", "none", false);
     if (scaling == "linear") {
         const double factor = finite_key(kv, "rope.scaling.factor", 1.0, true);
         hp.rope_scale = float(1.0 / factor);
+    } else if (scaling == "yarn") {
+        // As llama.cpp (llama-model.cpp load_hparams, llama-context.cpp): frequencies scaled by 1 / factor
+        // (a factor of 0 or none: unscaled), the ramp on (ext_factor 1, beta_fast 32, beta_slow 1: the
+        // rope.scaling.yarn_* keys are not read there, so not here), the magnitude factor llama.cpp
+        // derives, which cancels the one ggml's rope applies itself, in float as there; the ramp's
+        // dimensions from original_context_length.  Only families whose graph takes YaRN accept it
+        // (ArchOps::yarn, checked after the family's keys).
+        const float factor = finite_key(kv, "rope.scaling.factor", 0.0, false);
+        if (factor < 0.f) throw std::invalid_argument(kv.file + ": rope.scaling.factor must be >= 0");
+        hp.rope_scale = factor == 0.f ? 1.0f : 1.0f / factor;
+        hp.rope_ext_factor = 1.0f;
+        const float f = 1.0f / hp.rope_scale;
+        float mscale = f <= 1.0f ? 1.0f : 0.1f * logf(f) + 1.0f;
+        mscale *= 1.0f / (1.0f + 0.1f * logf(f));
+        hp.rope_attn_factor = mscale;
+        const int64_t orig = kv.a("rope.scaling.original_context_length", hp.n_ctx_train, false);
+        check_positive(kv.file, "rope.scaling.original_context_length", orig, kMaxContext);
+        hp.rope_n_ctx_orig = orig;
     } else if (scaling != "none" && !scaling.empty()) {
-        throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear)");
+        throw std::invalid_argument(kv.file + ": rope scaling '" + scaling + "' is not supported (none, linear, yarn)");
     }
+    // every family's rope magnitude times rope.scaling.attn_factor, as llama.cpp (1 when absent)
+    hp.rope_attn_factor *= finite_key(kv, "rope.scaling.attn_factor", 1.0, true);
     hp.is_swa.assign(hp.n_layer, 0);
     hp.is_recr.assign(hp.n_layer, 0);
     hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
@@ -428,6 +449,8 @@ void Model::read_header(const std::string &path) {
         throw std::invalid_argument(path + ": unsupported architecture '" + kv.arch + "' (supported: " + arch_list() + ")");
     hp_ = read_common_hparams(kv);
     arch_->read_hparams(kv, hp_);
+    if (hp_.rope_ext_factor != 0.f && !arch_->yarn)
+        throw std::invalid_argument(path + ": rope scaling 'yarn' is not supported for " + kv.arch + " (none, linear)");
 }
 
 void Model::read_tensors() {

@@ -155,9 +155,10 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     g.n_capture = cfg_.capture_queries <= 0 ? 0 : opt.capture_all ? n : std::min(n, cfg_.capture_queries);
     // one-row products: up to 12 matrices a layer (7 dense; a mixture's router, three routed and four
     // shared-expert products) and the head, each up to one_row_products_nodes (+1: the views); a
-    // mixture adds a sum node per chosen expert
+    // mixture adds a sum node per chosen expert; 96 for the rest of a layer (gpt-oss's, the largest:
+    // about 60 with its biases, sinks and gating)
     const size_t one_row_nodes = g.one_row ? size_t(2 * one_row_products_nodes(n, false)) : 0;
-    const size_t per_layer = 64 + 2 * size_t(hp.n_expert_used) + (hp.n_expert > 0 ? 12 : 7) * one_row_nodes;
+    const size_t per_layer = 96 + 2 * size_t(hp.n_expert_used) + (hp.n_expert > 0 ? 12 : 7) * one_row_nodes;
     const size_t max_nodes = per_layer * size_t(hp.n_layer) + 256 + one_row_nodes;
     g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
     ggml_init_params ip{g.meta.size(), g.meta.data(), true};

@@ -99,6 +99,25 @@ void ChunkSummaries::qk_scores(const Runtime &rt, QKMode mode, float *out, int32
 
 // ---------------------------------------------------------------- attention over the pool
 
+namespace {
+
+// Pool layer il's attention sinks ([n_head], read from wherever the weights are), or empty when the layer
+// has none: the scorers' softmaxes take them as the layer's attention does.
+std::vector<float> layer_sinks(const Runtime &rt, int32_t il) {
+    const int32_t layer = rt.pool().layer(il).layer;
+    const ggml_tensor *t = rt.model().layers[size_t(layer)].attn_sinks;
+    if (!t) return {};
+    std::vector<float> s(size_t(ggml_nelements(t)));
+    std::unique_lock<std::mutex> lock(rt.model().compute_mutex(), std::defer_lock);
+    if (rt.model().layer_remote(layer) >= 0) lock.lock();   // read over the server's connection, the model's
+    ggml_backend_tensor_get(const_cast<ggml_tensor *>(t), s.data(), 0, ggml_nbytes(t));
+    return s;
+}
+
+const float *or_null(const std::vector<float> &v) { return v.empty() ? nullptr : v.data(); }
+
+}  // namespace
+
 void attention_scores(const Runtime &rt, float *out, int64_t n) {
     const Hparams &hp = rt.model().hparams();
     const int32_t L = rt.pool().n_layers(), D = hp.head_dim_k, H = hp.n_head, nc = rt.n_captured();
@@ -110,8 +129,9 @@ void attention_scores(const Runtime &rt, float *out, int64_t n) {
     for (int32_t i = 0; i < nc; ++i) qpos[i] = rt.n_past() - nc + i;
     for (int32_t l = 0; l < L; ++l) {
         const float *q = rt.captured_queries().data() + size_t(l) * nc * H * D;
+        const std::vector<float> sinks = layer_sinks(rt, l);
         pool_attention_probs(q, nc, H, hp.n_head_kv, D, rt.pool().k(l), pg.used_extent(), pg.slot_positions().data(),
-                             qpos.data(), hp.attn_scale, out, n);
+                             qpos.data(), hp.attn_scale, out, n, or_null(sinks));
     }
 }
 
@@ -231,6 +251,12 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
             for (size_t a = 0; a < QH; ++a)
                 if (hlog[l][r * QH + a] != ninf) Zh[l * QH + a] += std::exp(hlog[l][r * QH + a] - mh[l * QH + a]);
     }
+    // the layers' attention sinks (gpt-oss), one more term in each head's normaliser: [layer][h]
+    std::vector<std::vector<float>> sinks(NL);
+    for (size_t l = 0; l < NL; ++l) sinks[l] = layer_sinks(rt, rs.layers[l]);
+    auto sink_term = [&](size_t l, size_t a, float M) {
+        return sinks[l].empty() ? 0.f : std::exp(sinks[l][a / size_t(nq)] - M);   // a = h * nq + i
+    };
     std::vector<float> Mg(NL * QH, 0.f), Winv(NL * QH, 0.f);
     std::vector<float> dev_scores;
     if (S > 0) {
@@ -300,7 +326,8 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
                 const float md = any_dev[a] ? r1[2 * l][a] : ninf, Zd = any_dev[a] ? r1[2 * l + 1][a] : 0.f;
                 const float M = std::max(md, mh[l * QH + a]);
                 if (M == ninf) continue;   // this query sees no key of the history in this layer
-                const float Z = (Zd > 0 ? Zd * std::exp(md - M) : 0.f) + (Zh[l * QH + a] > 0 ? Zh[l * QH + a] * std::exp(mh[l * QH + a] - M) : 0.f);
+                const float Z = (Zd > 0 ? Zd * std::exp(md - M) : 0.f) + (Zh[l * QH + a] > 0 ? Zh[l * QH + a] * std::exp(mh[l * QH + a] - M) : 0.f) +
+                                sink_term(l, a, M);
                 Mg[l * QH + a] = M;
                 Winv[l * QH + a] = Z > 0 ? 1.f / Z / float(nq) : 0.f;
             }
@@ -329,7 +356,7 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
             for (size_t a = 0; a < QH; ++a)
                 if (mh[l * QH + a] != ninf) {
                     Mg[l * QH + a] = mh[l * QH + a];
-                    Winv[l * QH + a] = 1.f / Zh[l * QH + a] / float(nq);
+                    Winv[l * QH + a] = 1.f / (Zh[l * QH + a] + sink_term(l, a, mh[l * QH + a])) / float(nq);
                 }
     }
     // the client's rows with the merged normalisers
@@ -401,6 +428,8 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
     }
     for (const RemoteShare &rs : remote) remote_history_attention(rs, q_first, q_count, n_pos, host_off, out, n);
     const int32_t NLoc = int32_t(local.size());
+    std::vector<std::vector<float>> sinks(local.size());   // read here, before the workers (a GPU's weights)
+    for (size_t li = 0; li < local.size(); ++li) sinks[li] = layer_sinks(rt, local[li]);
     const int32_t T = std::max(1, std::min(n_threads, NLoc));
     std::vector<std::vector<float>> accs(T, std::vector<float>(size_t(n), 0.f));
     std::vector<std::thread> workers;
@@ -415,7 +444,7 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
                 const float *q = rt.captured_queries().data() + (size_t(il) * nc + q_first) * H * D;
                 attention_probs_rows(q, q_count, H, hp.n_head_kv, D, pool.k(il)->type, rows.data(), pool.k(il)->nb[1],
                                      int64_t(n_chunks) * C, row_pos.data(), qpos.data(), hp.attn_scale, accs[t].data(),
-                                     n_pos, per_chunk ? C : 0, groups, n);
+                                     n_pos, per_chunk ? C : 0, groups, n, or_null(sinks[size_t(li)]));
             }
         } catch (const std::exception &e) {
             errors[t] = e.what();

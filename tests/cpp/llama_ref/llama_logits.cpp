@@ -5,7 +5,7 @@
 // message in the test, not a dead pytest).
 //
 //   llama_logits --model M.gguf --tokens T.i32 --out L.f32 --mode batch|single --threads N
-//                [--n-ctx N] [--dump NAME]... [--dump-out D.bin]
+//                [--n-ctx N] [--flash-attn on|off] [--dump NAME]... [--dump-out D.bin]
 //
 // --tokens: raw little-endian int32 token ids.  --out: raw little-endian float32 [n_tokens, n_vocab].
 // --mode batch: one llama_decode of all tokens (n_batch = n_ubatch = n_tokens, one graph);
@@ -20,7 +20,8 @@
 // instead switches by query count between a tiled all-f32 kernel and a one-query-chunk kernel
 // whose output accumulator is an f16 vector, so the batched and the one-token-at-a-time runs
 // would differ by that kernel's f16 rounding (~1e-3 relative in a tiny model's logits) rather
-// than by the model.
+// than by the model.  --flash-attn on asks for it anyway: the peer of kvflash's own
+// ggml_flash_attn_ext path, which takes the same kernels by the same rule.
 //
 // Exit status: 0 on success; 2 bad arguments or input; 3 llama.cpp refused the model or context;
 // 4 llama_decode failed.  Messages go to stderr, with llama.cpp's log.
@@ -155,6 +156,7 @@ long parse_long(const char * flag, const char * s, long lo, long hi) {
 int main(int argc, char ** argv) {
     std::string model_path, tokens_path, out_path, mode, dump_path;
     long threads = 1, n_ctx_arg = 0;
+    bool flash_attn = false;
     Dumper dumper;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
@@ -168,6 +170,10 @@ int main(int argc, char ** argv) {
         else if (a == "--mode") mode = v;
         else if (a == "--threads") threads = parse_long("--threads", v, 1, 512);
         else if (a == "--n-ctx") n_ctx_arg = parse_long("--n-ctx", v, 1, 1L << 24);
+        else if (a == "--flash-attn") {
+            if (std::strcmp(v, "on") != 0 && std::strcmp(v, "off") != 0) fail(2, "--flash-attn must be on or off, got %s", v);
+            flash_attn = std::strcmp(v, "on") == 0;
+        }
         else if (a == "--dump") dumper.names.emplace_back(v);
         else if (a == "--dump-out") dump_path = v;
         else fail(2, "unknown argument %s", a.c_str());
@@ -227,7 +233,7 @@ int main(int argc, char ** argv) {
     cparams.n_threads_batch = (int32_t) threads;
     cparams.type_k = GGML_TYPE_F16;
     cparams.type_v = GGML_TYPE_F16;
-    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // see the top of this file
+    cparams.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;  // see the top
     cparams.offload_kqv = false;
     cparams.op_offload = false;
     cparams.no_perf = true;
