@@ -1,15 +1,20 @@
 """A heap corruption on the Vulkan device path (found 2026-12-05 on lavapipe, Mesa 22.3.6; not yet fixed).
 
-One pooled session on a Vulkan device: a prompt that fills the pool exactly, a few greedy decode steps (the
-first one evicts a chunk: a page-out queued on the device from a one-token graph), then more prompt (pieces
-that evict and recall) -> glibc aborts ("malloc(): unaligned tcache chunk detected") or a segfault inside
-libvulkan_lvp.so during the next graph compute, i.e. something wrote past or after a heap block earlier.
-Prefilling past the pool without the decode steps in between (any number of sessions), or decoding past
-the pool after a longer prefill, does not crash; on the CPU backend the same sequence is fine.  With glibc's
-debugging allocator (LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3) it runs to the end: a small
-overrun or a late write whose landing place the allocator's padding changes.  Next steps: an ASan build of
-the Vulkan variant (the async page-out's destination and the decode mask's host vector first), or
-valgrind on a smaller geometry.
+One pooled session on a Vulkan device: a prompt that does not yet evict (1900 or 2048 tokens into a
+2048-token pool), a few greedy decode steps (one-token graphs), then more prompt (chunk-sized pieces that
+evict) -> glibc aborts ("malloc(): unaligned tcache chunk detected") or a segfault inside libvulkan_lvp.so
+during a graph compute.  What does not crash: a prompt that already evicted before the decode steps (2100
+tokens), prefilling past the pool with no decode steps in between (one or two sessions), the host store in
+RAM or in a file alike (so not the pinned buffers), the same sequence on the CPU backend, and the whole
+sequence under glibc's debugging allocator (LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3).
+The suspect (not proven): ggml-vulkan grows a context's scratch buffers inside a graph when one needs more
+than any graph before it -- flash attention's split-k temporaries (ggml-vulkan.cpp: prealloc_size_split_k,
+ggml_vk_preallocate_buffers destroys the old buffer and creates a bigger one) depend on the query count, a
+one-token decode graph sizes them first, and the chunk-sized pieces after it need more: the same class as
+the crash the runtimes' reserved compute buffers avoided (ARCHITECTURE.md), which happened only when such a
+buffer grew after another had been freed.  Next steps: VK_LOG_MEMORY / a ggml-vulkan debug build to see a
+regrowth right before the crash; if so, warm the scratch sizes at runtime creation by computing the graph
+shapes that need the most (the chunk pieces and the ubatch at n_kv = the pool) before any other.
 
     GGML_VK_VISIBLE_DEVICES=0 python bench/device/vk_heap_repro.py MODEL.gguf   # any small llama GGUF
 
@@ -24,9 +29,9 @@ import kvflash
 model = sys.argv[1]
 s = kvflash.Session(model, max_ctx=8192, kvflash=2048, device="vulkan:0", threads=1, verbose=False, policy="lru")
 toks = np.random.default_rng(0).integers(0, 1000, 8192).astype(np.int32).tolist()
-s.prefill(toks[:2048])                                # the pool exactly full
-for _ in s.generate(max_tokens=4, ignore_eos=True):  # the first step evicts
+s.prefill(toks[:1900])                                # nothing evicted yet
+for _ in s.generate(max_tokens=4, ignore_eos=True):  # one-token graphs
     pass
 print("decoded to", s.n_past, "page-outs", s.pager.stats["page_outs"], flush=True)
-s.prefill(toks[2100:2612])                            # more prompt: the crash lands here
+s.prefill(toks[2100:2612])                            # pieces that evict: the crash lands here
 print("ok", s.n_past)
