@@ -11,7 +11,7 @@ namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
 #define KVFLASH_ARCHS(X) \
-    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss)
+    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss) X(kArchLaguna)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
