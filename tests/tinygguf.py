@@ -752,3 +752,172 @@ def write_tiny_gptoss(
     is_swa = swa_layers(n_layer, n_swa, 2 if swa_pattern is None else swa_pattern)
     return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "is_swa": is_swa,
             "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_swa": n_swa}}
+
+
+def write_tiny_laguna(
+    path: str | Path,
+    *,
+    n_layer: int = 5,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_swa: int = 6,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_rot: int = 16,
+    n_rot_swa: int | None = 32,
+    n_ff: int = 96,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_ff_shexp: int | None = 48,
+    n_dense_lead: int = 1,
+    n_swa: int = 32,
+    swa_pattern: int | list[bool] | None = None,
+    rope_base: float = 500000.0,
+    rope_base_swa: float | None = 10000.0,
+    yarn_factor: float | None = 8.0,
+    yarn_orig_ctx: int = 256,
+    gate: str | list[str] = "per_head",
+    gate_std: float = 1.0,
+    probs_bias_std: float = 1.0,
+    weights_norm: bool = True,
+    weights_scale: float | None = 2.5,
+    router_scale: float = 4.0,
+    ctx_len: int = 65536,
+    seed: int = 0,
+    weight_type: str = "f32",
+    rms_eps: float = 1e-6,
+    extra: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    retype: dict[str, Any] | None = None,
+    reshape: dict[str, tuple[int, ...]] | None = None,
+    pre: str = "laguna",
+    extra_merges: list[tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A tiny random-weight laguna GGUF, laid out as llama.cpp loads it (src/models/laguna.cpp).
+
+    Every layer: attn_norm; attn_q [D * heads of the layer], attn_k / attn_v [D * n_head_kv]; attn_q_norm /
+    attn_k_norm [D]; attn_gate (``gate``: "per_head" [heads] or "per_element" [D * heads], or one per layer;
+    values ~ N(0, gate_std) through the products: 0 gives softplus(0) everywhere); attn_output; ffn_norm; the
+    first ``n_dense_lead`` layers a dense SwiGLU of width ``n_ff``, the others the router ffn_gate_inp with
+    the score-correction bias exp_probs_b (~ N(0, probs_bias_std): it moves the choice of experts), experts
+    ffn_gate/up/down_exps and the shared expert ffn_gate/up/down_shexp (width ``n_ff_shexp``; None: the key
+    left out).  Keys: head_count as a per-layer array (``n_head`` on global layers, ``n_head_swa`` on sliding
+    ones, as the converter writes it); sliding_window ``n_swa`` (0: the key left out, every layer global) in
+    llama.cpp's period of 4 with the global layer first (or ``swa_pattern``); YaRN on the global layers
+    (rope.scaling.*, ``yarn_factor``; None: no scaling keys) over ``n_rot`` dims; rope.freq_base_swa and
+    rope.dimension_count_swa (None: left out); expert_weights_norm / scale (sigmoid gating, the converter's
+    keys); the gpt2 tokenizer with pre-tokenizer ``pre`` and ``extra_merges``.  ``drop`` / ``retype`` / ``reshape``: tensors left
+    out, stored as another dtype, or drawn in another (numpy) shape (files that break the rules).  Returns
+    {"path", "vocab", "n_vocab", "is_swa", "heads", "hparams"}.
+    """
+    if weight_type not in ("f32", "f16"):
+        raise ValueError("weight_type must be 'f32' or 'f16'")
+    vocab = make_vocab()
+    for a, b in extra_merges or []:    # merged tokens in the vocabulary (the tokenizer adds the merge)
+        vocab["tokens"].append(a + b)
+        vocab["token_types"].append(int(gguf.TokenType.NORMAL))
+        vocab["merges"].append(f"{a} {b}")
+    n_vocab = len(vocab["tokens"])
+    rng = np.random.default_rng(seed)
+    np_wtype = np.float16 if weight_type == "f16" else np.float32
+    arrays: dict[str, Any] = {}
+    reshape = reshape or {}
+
+    def mat(name: str, *shape: int, std: float, dtype=None) -> None:
+        arrays[name] = (rng.standard_normal(reshape.get(name, shape)) * std).astype(dtype or np_wtype)
+
+    def vec(name: str, *shape: int, mean: float, std: float) -> None:
+        arrays[name] = (mean + rng.standard_normal(reshape.get(name, shape)) * std).astype(np.float32)
+
+    is_swa = [False] * n_layer if not n_swa else [
+        bool(x) for x in (swa_pattern if isinstance(swa_pattern, (list, tuple)) else
+                          [(4 if swa_pattern is None else swa_pattern) == 0 or
+                           il % (4 if swa_pattern is None else swa_pattern) != 0 for il in range(n_layer)])]
+    heads = [n_head_swa if s else n_head for s in is_swa]
+    gates = [gate] * n_layer if isinstance(gate, str) else list(gate)
+    E, D, Hkv, X, F = n_embd, head_dim, n_head_kv, n_expert, n_ff_exp
+    S = n_ff_shexp or n_ff_exp
+    inv = 1.0 / math.sqrt(E)
+    mat("token_embd.weight", n_vocab, E, std=0.3)
+    vec("output_norm.weight", E, mean=1.0, std=0.1)
+    mat("output.weight", n_vocab, E, std=0.3)
+    for il in range(n_layer):
+        p, H = f"blk.{il}.", heads[il]
+        vec(p + "attn_norm.weight", E, mean=1.0, std=0.1)
+        mat(p + "attn_q.weight", D * H, E, std=inv)
+        mat(p + "attn_k.weight", D * Hkv, E, std=inv)
+        mat(p + "attn_v.weight", D * Hkv, E, std=inv)
+        vec(p + "attn_q_norm.weight", D, mean=1.0, std=0.1)
+        vec(p + "attn_k_norm.weight", D, mean=1.0, std=0.1)
+        mat(p + "attn_gate.weight", H if gates[il] == "per_head" else D * H, E, std=gate_std * inv)
+        mat(p + "attn_output.weight", E, D * H, std=1.0 / math.sqrt(D * H))
+        vec(p + "ffn_norm.weight", E, mean=1.0, std=0.1)
+        if il < n_dense_lead:
+            mat(p + "ffn_gate.weight", n_ff, E, std=inv)
+            mat(p + "ffn_up.weight", n_ff, E, std=inv)
+            mat(p + "ffn_down.weight", E, n_ff, std=1.0 / math.sqrt(n_ff))
+            continue
+        mat(p + "ffn_gate_inp.weight", X, E, std=router_scale * inv, dtype=np.float32)
+        vec(p + "exp_probs_b.bias", X, mean=0.0, std=probs_bias_std)
+        mat(p + "ffn_gate_exps.weight", X, F, E, std=inv)
+        mat(p + "ffn_up_exps.weight", X, F, E, std=inv)
+        mat(p + "ffn_down_exps.weight", X, E, F, std=1.0 / math.sqrt(F))
+        mat(p + "ffn_gate_shexp.weight", S, E, std=inv)
+        mat(p + "ffn_up_shexp.weight", S, E, std=inv)
+        mat(p + "ffn_down_shexp.weight", E, S, std=1.0 / math.sqrt(S))
+    for name in drop:
+        del arrays[name]
+    for name, dt in (retype or {}).items():
+        arrays[name] = arrays[name].astype(dt)
+
+    arch = "laguna"
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-laguna")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16" else gguf.LlamaFileType.ALL_F32))
+    meta: dict[str, Any] = {
+        f"{arch}.context_length": ctx_len,
+        f"{arch}.embedding_length": E,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.feed_forward_length": n_ff,
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": Hkv,
+        f"{arch}.attention.key_length": D,
+        f"{arch}.attention.value_length": D,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{arch}.rope.freq_base": float(rope_base),
+        f"{arch}.rope.dimension_count": n_rot,
+        f"{arch}.expert_count": X,
+        f"{arch}.expert_used_count": n_expert_used,
+        f"{arch}.expert_feed_forward_length": F,
+        f"{arch}.leading_dense_block_count": n_dense_lead,
+        f"{arch}.expert_weights_norm": bool(weights_norm),
+        f"{arch}.expert_gating_func": 2,
+        f"{arch}.vocab_size": n_vocab,
+    }
+    if n_ff_shexp is not None:
+        meta[f"{arch}.expert_shared_feed_forward_length"] = n_ff_shexp
+    if weights_scale is not None:
+        meta[f"{arch}.expert_weights_scale"] = float(weights_scale)
+    if n_swa:
+        meta[f"{arch}.attention.sliding_window"] = n_swa
+        if swa_pattern is not None:
+            meta[f"{arch}.attention.sliding_window_pattern"] = swa_pattern
+        if rope_base_swa is not None:
+            meta[f"{arch}.rope.freq_base_swa"] = float(rope_base_swa)
+        if n_rot_swa is not None:
+            meta[f"{arch}.rope.dimension_count_swa"] = n_rot_swa
+    if yarn_factor is not None:
+        meta[f"{arch}.rope.scaling.type"] = "yarn"
+        meta[f"{arch}.rope.scaling.factor"] = float(yarn_factor)
+        meta[f"{arch}.rope.scaling.original_context_length"] = yarn_orig_ctx
+    meta.update(extra or {})
+    _write_tokenizer(w, vocab, n_vocab, pre=pre)
+    for k, v in meta.items():
+        if v is None:
+            continue
+        _add_extra_kv(w, k, v)
+    _write_tensors(w, arrays)
+    return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "is_swa": is_swa, "heads": heads,
+            "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_swa": n_swa}}

@@ -97,6 +97,11 @@ model and as an RPC server holds its layers: weight_placement says what each par
             d["rope_attn_factor"] = h.rope_attn_factor; d["rope_n_ctx_orig"] = h.rope_n_ctx_orig;
             std::vector<bool> swa(h.is_swa.begin(), h.is_swa.end());
             d["is_swa"] = swa;
+            std::vector<int32_t> heads;
+            for (int32_t il = 0; il < h.n_layer; ++il) heads.push_back(h.n_head_at(il));
+            d["n_head_per_layer"] = heads;
+            d["n_rot"] = h.n_rot; d["n_rot_swa"] = h.n_rot_swa; d["rope_scale_swa"] = h.rope_scale_swa;
+            d["n_layer_dense_lead"] = h.n_layer_dense_lead;
             return d;
         });
 }

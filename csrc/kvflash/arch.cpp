@@ -11,7 +11,7 @@ namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
 #define KVFLASH_ARCHS(X) \
-    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss)
+    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss) X(kArchLaguna)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
@@ -36,22 +36,26 @@ ggml_tensor *Forward::norm(ggml_tensor *t, ggml_tensor *w) const {
 
 ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale,
                                 float kq_scale) {
-    const int32_t D = hp->head_dim_k, H = hp->n_head, Hkv = hp->n_head_kv;
+    const int32_t D = hp->head_dim_k, H = hp->n_head_at(il), Hkv = hp->n_head_kv;
     const bool swa = hp->is_swa[il] != 0;
     const float base = swa ? hp->rope_base_swa : hp->rope_base, scale = swa ? hp->rope_scale_swa : hp->rope_scale;
-    // YaRN's terms (0, 1, 32, 1 and the trained context unless the file asks for YaRN: model.h)
-    const int n_orig = int(hp->rope_n_ctx_orig);
-    const float ext = hp->rope_ext_factor, mag = hp->rope_attn_factor, bfast = hp->rope_beta_fast, bslow = hp->rope_beta_slow;
+    const int n_rot = swa ? hp->n_rot_swa : hp->n_rot;   // < D: partial RoPE (ggml keeps the other dims)
+    // YaRN's terms (0, 1, 32, 1 and the trained context unless the file asks for YaRN: model.h); plain RoPE
+    // on sliding layers where the family says so (laguna: no ramp, no magnitude, as llama.cpp zeroes them)
+    const bool plain = swa && hp->rope_swa_plain;
+    const int n_orig = int(plain ? hp->n_ctx_train : hp->rope_n_ctx_orig);
+    const float ext = plain ? 0.f : hp->rope_ext_factor, mag = plain ? 1.f : hp->rope_attn_factor,
+                bfast = plain ? 0.f : hp->rope_beta_fast, bslow = plain ? 0.f : hp->rope_beta_slow;
     if (hp->rope_multi) {
         int sections[4];
         std::copy(hp->rope_sections, hp->rope_sections + 4, sections);
-        q = ggml_rope_multi(ctx, q, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
+        q = ggml_rope_multi(ctx, q, pos4, nullptr, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
                             bslow);
-        k = ggml_rope_multi(ctx, k, pos4, nullptr, hp->n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
+        k = ggml_rope_multi(ctx, k, pos4, nullptr, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
                             bslow);
     } else {
-        q = ggml_rope_ext(ctx, q, pos, nullptr, hp->n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
-        k = ggml_rope_ext(ctx, k, pos, nullptr, hp->n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
+        q = ggml_rope_ext(ctx, q, pos, nullptr, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
+        k = ggml_rope_ext(ctx, k, pos, nullptr, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
     }
     const LayerCache &c = caches[il];
     ggml_tensor *sinks = weights(il).attn_sinks;   // [H] f32, or none
@@ -126,7 +130,9 @@ ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
     ggml_tensor *probs = gating == Hparams::Gating::Sigmoid         ? ggml_sigmoid(ctx, logits)
                          : gating == Hparams::Gating::SoftmaxWeight ? logits   // the softmax comes after the pick
                                                                     : ggml_soft_max(ctx, logits);
-    ggml_tensor *picked = ggml_argsort_top_k(ctx, probs, int(k));  // [k, n] i32
+    // the score-correction bias moves the choice only; the weights stay the unbiased probabilities
+    ggml_tensor *choice = L.ffn_exp_probs_b ? ggml_add(ctx, probs, L.ffn_exp_probs_b) : probs;
+    ggml_tensor *picked = ggml_argsort_top_k(ctx, choice, int(k));  // [k, n] i32
     ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, X, n), picked);  // [1, k, n]
     if (gating == Hparams::Gating::SoftmaxWeight)   // a softmax over the chosen k logits
         w = ggml_reshape_3d(ctx, ggml_soft_max(ctx, ggml_reshape_2d(ctx, w, k, n)), 1, k, n);
@@ -163,8 +169,8 @@ ggml_tensor *Forward::ffn(int32_t il, ggml_tensor *x) {
     if (k == 1) out = ggml_cont(ctx, out);
     if (L.ffn_up_shexp) {
         ggml_tensor *sh = mm(L.ffn_down_shexp, ggml_swiglu_split(ctx, mm(L.ffn_gate_shexp, x), mm(L.ffn_up_shexp, x)));
-        ggml_tensor *g = ggml_sigmoid(ctx, mm(L.ffn_gate_inp_shexp, x));  // [1, n]
-        out = ggml_add(ctx, out, ggml_mul(ctx, sh, g));
+        if (L.ffn_gate_inp_shexp) sh = ggml_mul(ctx, sh, ggml_sigmoid(ctx, mm(L.ffn_gate_inp_shexp, x)));  // [1, n] gate
+        out = ggml_add(ctx, out, sh);
     }
     return out;
 }

@@ -126,6 +126,9 @@ struct ArchOps {
     // The family's graph takes YaRN RoPE (Hparams::rope_ext_factor != 0); a file asking for it is refused
     // by the others.
     bool yarn = false;
+    // The family's layers may have their own query head counts (attention.head_count as an array: laguna's
+    // sliding layers); the others refuse a count that varies.
+    bool per_layer_heads = false;
 };
 
 // Layer il's feed-forward weights: the dense SwiGLU (ffn_gate / ffn_up / ffn_down), or load_moe's.

@@ -31,13 +31,19 @@ struct ArchOps;
 
 struct Hparams {
     std::string arch;                                 // general.architecture
+    // n_head: the query heads of every paged (global) layer; n_head_l: per layer (laguna's sliding layers
+    // have more than its global ones: Forward::attention reads n_head_at), else n_head everywhere.
     int32_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_head_kv = 0;
+    std::vector<int32_t> n_head_l;
     int32_t head_dim_k = 0, head_dim_v = 0, n_rot = 0, n_vocab = 0;
     int64_t n_ctx_train = 0;
     float rms_eps = 1e-5f;
     float rope_base = 10000.f, rope_scale = 1.f;      // global layers
     float rope_base_swa = 10000.f, rope_scale_swa = 1.f;
     int rope_mode = 0;                                // 0 normal (llama), 2 neox
+    int32_t n_rot_swa = 0;                            // RoPE dims of the sliding layers (n_rot unless the file says)
+    // Sliding layers take plain RoPE (laguna): no YaRN ramp nor magnitude there, whatever the global layers do.
+    bool rope_swa_plain = false;
     // YaRN (rope.scaling.type "yarn"; ggml_rope_ext's last four arguments), every layer alike: the ramp's
     // weight (0: plain or linear scaling, these others then unused), the magnitude factor, the ramp's
     // bounds; rope_n_ctx_orig is rope.scaling.original_context_length (else context_length), where the
@@ -79,6 +85,9 @@ struct Hparams {
     enum class ExpertAct : uint8_t { Swiglu, SwigluOai } expert_act = ExpertAct::Swiglu;
     bool expert_weights_norm = false;                 // the chosen experts' weights divided by their sum
     float expert_weights_scale = 0.f;                 // then multiplied by this (0 or 1: not scaled)
+    // A leading run of layers whose feed-forward is the dense SwiGLU before the routed ones (laguna).
+    int32_t n_layer_dense_lead = 0;
+    int32_t n_head_at(int32_t il) const { return n_head_l.empty() ? n_head : n_head_l[size_t(il)]; }
     int32_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int32_t n_embd_v() const { return head_dim_v * n_head_kv; }
 };
@@ -93,9 +102,13 @@ struct LayerWeights {
     // Per query head, an attention sink [n_head] (gpt-oss): one more logit in each softmax's denominator,
     // with no value, after the scale (Forward::attention passes it to both attention paths).
     ggml_tensor *attn_sinks = nullptr;
+    // The attention output gate through softplus (laguna): [n_embd, n_head] (one value per head) or
+    // [n_embd, n_head * head dim] (per element), applied to the attention's output before wo.
+    ggml_tensor *attn_gate = nullptr;
     ggml_tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr;
     // MoE: the router [n_embd, n_expert], the experts [n_embd, n_ff_exp, n_expert] (gate and up, or
-    // both in one [n_embd, 2 n_ff_exp, n_expert]) and [n_ff_exp, n_embd, n_expert]; the shared expert and its one-output sigmoid gate [n_embd].
+    // both in one [n_embd, 2 n_ff_exp, n_expert]) and [n_ff_exp, n_embd, n_expert]; the shared expert and its one-output sigmoid gate [n_embd]
+    // (no gate: the shared expert is added as it is, laguna).
     ggml_tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_gate_up_exps = nullptr,
                 *ffn_down_exps = nullptr;
     ggml_tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
@@ -104,6 +117,9 @@ struct LayerWeights {
     // on down [n_embd, n_expert], picked per token with the experts (ggml_add_id).
     ggml_tensor *ffn_gate_inp_b = nullptr, *ffn_gate_exps_b = nullptr, *ffn_up_exps_b = nullptr,
                 *ffn_down_exps_b = nullptr;
+    // The score-correction bias [n_expert] (laguna, DeepSeek V3's exp_probs_b): added to the gating
+    // probabilities for the choice of experts only; the weights are the unbiased probabilities.
+    ggml_tensor *ffn_exp_probs_b = nullptr;
     // Gated DeltaNet (a recurrent layer): the q/k/v projection [n_embd, conv channels] and the output
     // gate z [n_embd, d_inner]; the conv kernel [d_conv, channels] (f32); the decay's bias and -exp(A)
     // [dt_rank]; beta and alpha [n_embd, dt_rank]; the gated norm [head dim]; the output [d_inner, n_embd].

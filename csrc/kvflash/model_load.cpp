@@ -232,11 +232,21 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     // a MoE file may leave the dense width out (its experts have their own)
     hp.n_ff = hp.n_expert > 0 && !kv.has("feed_forward_length") ? 0
                                                                   : positive_key(kv, "feed_forward_length", int64_t(1) << 30);
-    hp.n_head = positive_key(kv, "attention.head_count", 4096);
+    // Query heads: one count, or one per layer (an array, as llama.cpp reads it); the first layer's sizes
+    // the default head dim, as there.  Model::read_header checks what the family takes of an array.
+    const std::vector<int64_t> heads = kv.get_ints(kv.arch + ".attention.head_count", size_t(hp.n_layer), true);
+    if (heads.size() != 1 && heads.size() != size_t(hp.n_layer))
+        throw std::invalid_argument(kv.file + ": attention.head_count has " + std::to_string(heads.size()) +
+                                    " values for " + std::to_string(hp.n_layer) + " layers");
+    for (int64_t h : heads) check_positive(kv.file, "attention.head_count", h, 4096);
+    hp.n_head = int32_t(heads[0]);
+    hp.n_head_l.assign(size_t(hp.n_layer), hp.n_head);
+    if (heads.size() > 1) std::copy(heads.begin(), heads.end(), hp.n_head_l.begin());
     hp.n_head_kv = positive_key(kv, "attention.head_count_kv", 4096, hp.n_head, false);
-    if (hp.n_head % hp.n_head_kv != 0)
-        throw std::invalid_argument(kv.file + ": head_count " + std::to_string(hp.n_head) +
-                                    " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
+    for (int32_t h : hp.n_head_l)
+        if (h % hp.n_head_kv != 0)
+            throw std::invalid_argument(kv.file + ": head_count " + std::to_string(h) +
+                                        " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
     if (hp.n_embd % hp.n_head != 0 && !kv.has("attention.key_length"))
         throw std::invalid_argument(kv.file + ": embedding_length not divisible by head_count and no key_length");
     hp.head_dim_k = positive_key(kv, "attention.key_length", 1024, hp.n_embd / hp.n_head, false);
@@ -249,6 +259,7 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
         throw std::invalid_argument(kv.file + ": rope.dimension_count " + std::to_string(n_rot) +
                                     " must be even and in [2, head dim " + std::to_string(hp.head_dim_k) + "]");
     hp.n_rot = int32_t(n_rot);
+    hp.n_rot_swa = hp.n_rot;
     hp.n_ctx_train = kv.a("context_length", 4096, false);
     check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
     if (hp.n_ctx_train > kMaxContext) {
@@ -449,6 +460,24 @@ void Model::read_header(const std::string &path) {
         throw std::invalid_argument(path + ": unsupported architecture '" + kv.arch + "' (supported: " + arch_list() + ")");
     hp_ = read_common_hparams(kv);
     arch_->read_hparams(kv, hp_);
+    // Per-layer query heads: every paged (global) layer's count is one (the pool kernel's captured
+    // queries, the scorers and snapshots are sized by hp.n_head); other counts only where the family
+    // builds them (ArchOps::per_layer_heads: its sliding layers).
+    int32_t global_heads = -1;
+    for (int32_t il = 0; il < hp_.n_layer; ++il) {
+        const int32_t h = hp_.n_head_l[size_t(il)];
+        if (!arch_->per_layer_heads && h != hp_.n_head)
+            throw std::invalid_argument(path + ": attention.head_count varies by layer (" + std::to_string(hp_.n_head) +
+                                        " at layer 0, " + std::to_string(h) + " at layer " + std::to_string(il) +
+                                        "); " + kv.arch + " takes one count");
+        if (hp_.is_swa[size_t(il)] || hp_.is_recr[size_t(il)]) continue;
+        if (global_heads >= 0 && h != global_heads)
+            throw std::invalid_argument(path + ": the global layers' attention.head_count differ (" +
+                                        std::to_string(global_heads) + " and " + std::to_string(h) + " at layer " +
+                                        std::to_string(il) + "); kvflash pages global layers of one query geometry");
+        global_heads = h;
+    }
+    if (global_heads > 0) hp_.n_head = global_heads;
     if (hp_.rope_ext_factor != 0.f && !arch_->yarn)
         throw std::invalid_argument(path + ": rope scaling 'yarn' is not supported for " + kv.arch + " (none, linear)");
 }
@@ -737,7 +766,7 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     std::vector<const ggml_tensor *> mm, experts;
     for (const LayerWeights &L : layers) {
         for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
-                                     L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, L.wqkv, L.wqkv_gate,
+                                     L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, L.wqkv, L.wqkv_gate, L.attn_gate,
                                      L.ssm_beta, L.ssm_alpha, L.ssm_out})
             if (t) mm.push_back(t);
         for (const ggml_tensor *t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_up_exps, L.ffn_down_exps})
