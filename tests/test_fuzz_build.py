@@ -35,8 +35,8 @@ def test_every_build_of_the_core_uses_the_list():
     code = "\n".join(line.split("#")[0] for line in fuzz.splitlines())
     assert re.findall(r"[\w${}/.]+\.cpp", code) == ["${_t}.cpp"], "bench/fuzz lists core sources of its own"
     main = _read("CMakeLists.txt")
-    assert "include(cmake/sources.cmake)" in main
-    assert "add_library(kvflash SHARED ${KVFLASH_CORE_SOURCES})" in main
+    assert "include(cmake/sources.cmake)" in main and "add_subdirectory(csrc)" in main
+    assert "add_library(kvflash SHARED ${KVFLASH_CORE_SOURCES})" in _read("csrc", "CMakeLists.txt")
     assert "add_library(kvflash_san STATIC ${KVFLASH_CORE_SOURCES})" in main
 
 
