@@ -38,6 +38,7 @@ core = pytest.importorskip("kvflash._core")
 import kvflash  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import familyutil  # noqa: E402
 import llama_ref  # noqa: E402
 from tinygguf import write_tiny_gptoss, write_tiny_model  # noqa: E402
 
@@ -60,22 +61,12 @@ def models(tmp_path_factory):
 
 
 def _ids(n, seed):
-    return np.random.default_rng(seed).integers(0, V, n).astype(np.int32)
+    return familyutil.ids(n, seed, V)
 
 
-def _runtime(path, **kw):
-    kw = dict(dict(max_ctx=2048, kv_type="f16", ubatch=512), **kw)
-    return core.Runtime(core.Model(str(path), n_threads=2), **kw)
-
-
-def _session(path, pool=None, **kw):
-    kw = dict(dict(max_ctx=4096, kvflash=pool, chunk_tokens=16, ubatch=128, threads=2, verbose=False,
-                   kv_type="f16", policy="lru"), **kw)
-    return kvflash.Session(str(path), **kw)
-
-
-def _eval(rt, toks, batched):
-    return rt.eval(toks, all_logits=True) if batched else np.stack([rt.eval(toks[i:i + 1]) for i in range(len(toks))])
+_runtime = familyutil.runtime
+_session = familyutil.session
+_eval = familyutil.eval_logits
 
 
 # --------------------------------------------------------------------------- 1. llama.cpp
