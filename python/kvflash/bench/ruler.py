@@ -51,6 +51,7 @@ import uuid
 from typing import Optional
 
 from . import corpus
+from .corpus._base import fit_tokens
 from ._ledger import ledger_text
 from .common import haystack_text
 from .needle import sentence_units
@@ -384,9 +385,8 @@ class RulerBuilder:
         token count crosses its depth, as many sentences as fit n_tokens."""
         start = rng.randrange(len(sents))
         overhead = len(self._render(" ".join(t for _, t in inserts), question, prefix))
-        budget = max(0, n_tokens - overhead - 8)
-        best, too_long = None, False
-        for _ in range(8):
+
+        def build(budget):
             picked, total, k = [], 0, start
             while total < budget:
                 picked.append(k % len(sents))
@@ -411,15 +411,8 @@ class RulerBuilder:
                 prev = cut
             parts.append("".join(sents[x] for x in picked[prev:]))
             ids = self._render("".join(parts), question, prefix)
-            if len(ids) <= n_tokens:
-                if best is None or len(ids) > len(best):
-                    best = ids
-                if n_tokens - len(ids) <= 32 or too_long:   # close enough, or the next step up overflowed
-                    return best
-                budget += n_tokens - len(ids) - 8   # sentences tokenized alone count a little more than joined
-            else:
-                too_long = True
-                budget -= len(ids) - n_tokens + 16
+            return len(ids), ids
+        best = fit_tokens(build, n_tokens, max(0, n_tokens - overhead - 8))
         if best is not None:
             return best
         raise ValueError(f"could not fit the prompt in {n_tokens} tokens")

@@ -64,3 +64,26 @@ WEEKDAYS = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
 
 def cap(s: str) -> str:
     return s[:1].upper() + s[1:]
+
+
+def fit_tokens(build, n_tokens: int, budget: int, tries: int = 8, floor: bool = False):
+    """The largest prompt that fits n_tokens, by adjusting a budget of haystack tokens.  build(budget) -> (n,
+    result): the prompt built on that budget and its token count.  A prompt that fits and is within 32 tokens
+    of n_tokens (or whose next step up overflowed) is taken; else the budget grows by the room left less 8
+    (units counted alone count a little more than joined) or shrinks by the overflow plus 16, up to `tries`
+    builds; floor: stop once the budget falls below 1.  Returns the largest fitting result, or None."""
+    best, best_n, too_long = None, -1, False
+    for _ in range(tries):
+        n, result = build(budget)
+        if n <= n_tokens:
+            if best is None or n > best_n:
+                best, best_n = result, n
+            if n_tokens - n <= 32 or too_long:   # close enough, or the next step up overflowed
+                return best
+            budget += n_tokens - n - 8
+        else:
+            too_long = True
+            budget -= n - n_tokens + 16
+            if floor and budget < 1:
+                break
+    return best

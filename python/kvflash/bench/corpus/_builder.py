@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 from . import GENRES, HINT, NAMES, Stream, check_genre, wordings
-from ._base import check_split
+from ._base import check_split, fit_tokens
 
 ASKS = ("chat", "raw")
 
@@ -77,9 +77,9 @@ class NeedleBuilder:
         stream.take(1)
         first = stream.units[0].at
         overhead = len(self.render(w["needle"].format(v=value, **first), w, first, stream.units[1].at))
-        budget = max(1, n_tokens - overhead - 8)
-        best, too_long = None, False
-        for _ in range(8):
+
+        def build(budget):
+            nonlocal value
             k = stream.take(budget)
             units, sizes = stream.units[:k], stream.sizes[:k]
             total = sum(sizes)
@@ -104,19 +104,10 @@ class NeedleBuilder:
             pre = "".join(u.text for u in units[:cut])
             body = pre + needle + "".join(u.text for u in units[cut:])
             ids = self.render(body, w, at, end)
-            if len(ids) <= n_tokens:
-                if best is None or len(ids) > len(best.ids):
-                    best = Trial(i, depth, value, wi, ids,
-                                 needle_token=acc + (overhead if self.ask == "chat" else 0) // 2, needle=needle,
-                                 genre=self.genre, ask=self.ask, needle_at=len(pre), doc_chars=len(body))
-                if n_tokens - len(ids) <= 32 or too_long:   # close enough, or the next unit up overflowed
-                    return best
-                budget += n_tokens - len(ids) - 8   # units counted alone count a little more than joined
-            else:
-                too_long = True
-                budget -= len(ids) - n_tokens + 16
-                if budget < 1:
-                    break
+            return len(ids), Trial(i, depth, value, wi, ids,
+                                   needle_token=acc + (overhead if self.ask == "chat" else 0) // 2, needle=needle,
+                                   genre=self.genre, ask=self.ask, needle_at=len(pre), doc_chars=len(body))
+        best = fit_tokens(build, n_tokens, max(1, n_tokens - overhead - 8), floor=True)
         if best is not None:
             return best
         raise ValueError(f"could not fit a {self.genre} needle prompt in {n_tokens} tokens")
