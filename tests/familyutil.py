@@ -3,6 +3,7 @@ over a tiny GGUF, f16 KV, and logits batched or one token at a time."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvflash
 import kvflash._core as core
@@ -28,3 +29,56 @@ def session(path, pool=None, **kw):
 def eval_logits(rt, toks, batched: bool) -> np.ndarray:
     """Every token's logits [n, vocab]: one batch, or one eval per token."""
     return rt.eval(toks, all_logits=True) if batched else np.stack([rt.eval(toks[i:i + 1]) for i in range(len(toks))])
+
+
+# The conformance checks a family with sliding layers shares (gpt-oss, laguna): a test file calls them on its model.
+def exact_greedy_is_the_full_cache(path, vocab: int, policy: str) -> None:
+    """Exact mode over a 256-token pool under a 900-token prompt: the full cache's greedy text, tokens and logits."""
+    prompt = ids(900, 9, vocab).tolist()
+    full = session(path)
+    ex = session(path, 256, exact=True, tau=16, policy=policy)
+    a = "".join(full.generate(prompt, max_tokens=40, ignore_eos=True))
+    b = "".join(ex.generate(prompt, max_tokens=40, ignore_eos=True))
+    assert a == b and ex.tokens == full.tokens
+    assert np.array_equal(ex.logits(), full.logits())
+    assert ex.pager.stats["host_chunks"] > 0 and ex.stats["exact_rounds"] > 0
+
+
+def pool_smaller_than_the_prompt_runs(path, vocab: int, n_paged: int) -> None:
+    """A 256-token pool under a 1200-token prompt with qk: it decodes, chunks move, the sliding layers keep a ring."""
+    s = session(path, 256, policy="qk")
+    out = "".join(s.generate(ids(1200, 10, vocab).tolist(), max_tokens=30, ignore_eos=True))
+    assert len(s.tokens) == 1230 and out
+    st = s.pager.stats
+    assert st["host_chunks"] > 0 and st["page_outs"] > 0
+    assert s.runtime.n_paged_layers == n_paged and s.runtime.swa_bytes > 0   # the sliding layers keep their ring
+
+
+def truncate_within_the_ring_and_beyond(path, vocab: int) -> None:
+    """Exact evals over a pool of 256 against the full cache: decode 20, go back 12, the same 12 again give
+    the logits they gave; a truncate further back than the ring holds is refused and changes nothing."""
+    m = core.Model(str(path), n_threads=2)
+    kw = dict(max_ctx=4096, chunk_tokens=16, ubatch=128, kv_type="f16")
+    full = core.Runtime(m, pool_tokens=0, **kw)
+    paged = core.Runtime(m, pool_tokens=256, **kw)
+    prompt = ids(700, 14, vocab)
+    full.eval(prompt)
+    paged.eval(prompt, exact=True)
+    dec = ids(20, 15, vocab)
+    seen = []
+    for t in dec:
+        one = np.asarray([t], np.int32)
+        seen.append(full.eval(one))
+        assert np.array_equal(paged.eval(one, exact=True), seen[-1])
+    for rt in (full, paged):
+        rt.truncate(rt.n_past - 12)
+        again = np.stack([rt.eval(dec[i:i + 1], exact=rt is paged) for i in range(8, 20)])
+        assert np.array_equal(again, np.stack(seen[8:]))
+    r = paged.max_rewind
+    assert 0 < r < paged.n_past
+    n = paged.n_past
+    with pytest.raises(ValueError):
+        paged.truncate(n - r - 1)
+    assert paged.n_past == n
+    probe = ids(1, 16, vocab)
+    assert np.array_equal(paged.eval(probe, exact=True), full.eval(probe))

@@ -266,54 +266,15 @@ def test_exact_eval_is_the_full_cache(models):
 
 @pytest.mark.parametrize("policy", ["lru", "qk"])
 def test_exact_greedy_is_the_full_cache(models, policy):
-    path = models["main"]["path"]
-    prompt = _ids(900, seed=9).tolist()
-    full = _session(path)
-    ex = _session(path, 256, exact=True, tau=16, policy=policy)
-    a = "".join(full.generate(prompt, max_tokens=40, ignore_eos=True))
-    b = "".join(ex.generate(prompt, max_tokens=40, ignore_eos=True))
-    assert a == b and ex.tokens == full.tokens
-    assert np.array_equal(ex.logits(), full.logits())
-    assert ex.pager.stats["host_chunks"] > 0 and ex.stats["exact_rounds"] > 0
+    familyutil.exact_greedy_is_the_full_cache(models["main"]["path"], V, policy)
 
 
 def test_pool_smaller_than_the_prompt_runs(models):
-    s = _session(models["main"]["path"], 256, policy="qk")
-    out = "".join(s.generate(_ids(1200, seed=10).tolist(), max_tokens=30, ignore_eos=True))
-    assert len(s.tokens) == 1230 and out
-    st = s.pager.stats
-    assert st["host_chunks"] > 0 and st["page_outs"] > 0
-    assert s.runtime.n_paged_layers == 2 and s.runtime.swa_bytes > 0   # the sliding layers keep their ring
+    familyutil.pool_smaller_than_the_prompt_runs(models["main"]["path"], V, n_paged=2)
 
 
 def test_truncate_within_the_ring_and_beyond(models):
-    """Exact evals over a pool of 256 against the full cache: decode 20, go back 12, the same 12 again give
-    the logits they gave; a truncate further back than the ring holds is refused and changes nothing."""
-    m = core.Model(models["main"]["path"], n_threads=2)
-    kw = dict(max_ctx=4096, chunk_tokens=16, ubatch=128, kv_type="f16")
-    full = core.Runtime(m, pool_tokens=0, **kw)
-    paged = core.Runtime(m, pool_tokens=256, **kw)
-    ids = _ids(700, seed=14)
-    full.eval(ids)
-    paged.eval(ids, exact=True)
-    dec = _ids(20, seed=15)
-    seen = []
-    for t in dec:
-        one = np.asarray([t], np.int32)
-        seen.append(full.eval(one))
-        assert np.array_equal(paged.eval(one, exact=True), seen[-1])
-    for rt in (full, paged):
-        rt.truncate(rt.n_past - 12)
-        again = np.stack([rt.eval(dec[i:i + 1], exact=rt is paged) for i in range(8, 20)])
-        assert np.array_equal(again, np.stack(seen[8:]))
-    r = paged.max_rewind
-    assert 0 < r < paged.n_past
-    n = paged.n_past
-    with pytest.raises(ValueError):
-        paged.truncate(n - r - 1)
-    assert paged.n_past == n
-    probe = _ids(1, seed=16)
-    assert np.array_equal(paged.eval(probe, exact=True), full.eval(probe))
+    familyutil.truncate_within_the_ring_and_beyond(models["main"]["path"], V)
 
 
 def test_rpc_splits_are_refused_clearly(models):
