@@ -82,3 +82,29 @@ def truncate_within_the_ring_and_beyond(path, vocab: int) -> None:
     assert paged.n_past == n
     probe = ids(1, 16, vocab)
     assert np.array_equal(paged.eval(probe, exact=True), full.eval(probe))
+
+
+def rpc_split_is_refused(path, vocab: int, op: str) -> None:
+    """Layers on an RPC server: an op off kvflash's list for remote devices refuses the first eval, naming the op,
+    and the runtime is left as it was."""
+    from test_rpc import _start_server
+    _, ep = _start_server()
+    m = core.Model(str(path), n_threads=1, rpc=[ep], tensor_split=[1, 1])
+    rt = core.Runtime(m, max_ctx=512, kv_type="f16")
+    with pytest.raises(ValueError, match=op):
+        rt.eval(ids(10, 1, vocab))
+    assert rt.n_past == 0
+
+
+def snapshot_round_trip_mid_decode(path, vocab: int, pool, file) -> None:
+    """A session saved mid-decode and loaded again continues bit for bit (its text, tokens and logits)."""
+    s = session(path, pool)
+    "".join(s.generate(ids(700, 12, vocab).tolist(), max_tokens=10, ignore_eos=True))
+    s.save(file)
+    want = "".join(s.generate(None, max_tokens=20, ignore_eos=True))
+    r = kvflash.Session.load(file, path, threads=2)
+    got = "".join(r.generate(None, max_tokens=20, ignore_eos=True))
+    assert got == want and r.tokens == s.tokens
+    assert np.array_equal(r.logits(), s.logits())
+    if pool:
+        assert r.pager.stats["host_chunks"] > 0

@@ -35,7 +35,6 @@ import pytest
 
 pytest.importorskip("gguf")
 core = pytest.importorskip("kvflash._core")
-import kvflash  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import familyutil  # noqa: E402
@@ -280,29 +279,13 @@ def test_truncate_within_the_ring_and_beyond(models):
 def test_rpc_splits_are_refused_clearly(models):
     """Layers on an RPC server: the experts' biases (ggml_add_id) are not on kvflash's list of ops for remote
     devices, so the first eval is refused, naming the op, and the runtime is left as it was."""
-    from test_rpc import _start_server
-    _, ep = _start_server()
-    m = core.Model(models["main"]["path"], n_threads=1, rpc=[ep], tensor_split=[1, 1])
-    rt = core.Runtime(m, max_ctx=512, kv_type="f16")
-    with pytest.raises(ValueError, match="ADD_ID"):
-        rt.eval(_ids(10, seed=1))
-    assert rt.n_past == 0
+    familyutil.rpc_split_is_refused(models["main"]["path"], V, "ADD_ID")
 
 
 # --------------------------------------------------------------------------- 4. snapshots
 @pytest.mark.parametrize("pool", [None, 256], ids=["full", "pool256"])
 def test_snapshot_round_trip_mid_decode(models, tmp_path, pool):
-    path = models["main"]["path"]
-    s = _session(path, pool)
-    "".join(s.generate(_ids(700, seed=12).tolist(), max_tokens=10, ignore_eos=True))
-    s.save(tmp_path / "g.kvf")
-    want = "".join(s.generate(None, max_tokens=20, ignore_eos=True))
-    r = kvflash.Session.load(tmp_path / "g.kvf", path, threads=2)
-    got = "".join(r.generate(None, max_tokens=20, ignore_eos=True))
-    assert got == want and r.tokens == s.tokens
-    assert np.array_equal(r.logits(), s.logits())
-    if pool:
-        assert r.pager.stats["host_chunks"] > 0
+    familyutil.snapshot_round_trip_mid_decode(models["main"]["path"], V, pool, tmp_path / "g.kvf")
 
 
 # --------------------------------------------------------------------------- 5. files, tokenizer, chat
