@@ -108,3 +108,35 @@ def snapshot_round_trip_mid_decode(path, vocab: int, pool, file) -> None:
     assert np.array_equal(r.logits(), s.logits())
     if pool:
         assert r.pager.stats["host_chunks"] > 0
+
+
+def a_batch_is_its_steps(path, vocab: int, kv_type: str) -> None:
+    """Through the sliding ring (its lower edge differs per query) and across a 256-slot edge: a batch's logits
+    are its one-token steps', bit for bit."""
+    a = runtime(path, kv_type=kv_type, chunk_tokens=16)
+    b = runtime(path, kv_type=kv_type, chunk_tokens=16)
+    prompt = ids(253, 12, vocab)
+    a.eval(prompt)
+    b.eval(prompt)
+    more = ids(7, 13, vocab)
+    assert np.array_equal(a.eval(more, all_logits=True), np.stack([b.eval(more[i:i + 1]) for i in range(len(more))]))
+
+
+def exact_eval_is_the_full_cache(path, vocab: int, n_paged: int) -> None:
+    """Exact evals over a 256-slot pool under a 900-token prompt: the full cache's logits bit for bit (a prompt,
+    single tokens, a batch), where the pool alone does not give them."""
+    m = core.Model(str(path), n_threads=2)
+    kw = dict(max_ctx=2048, chunk_tokens=16, ubatch=128, kv_type="f16")
+    full = core.Runtime(m, pool_tokens=0, **kw)
+    paged = core.Runtime(m, pool_tokens=256, **kw)
+    pooled = core.Runtime(m, pool_tokens=256, **kw)
+    prompt = ids(900, 4, vocab)
+    want = full.eval(prompt)
+    assert np.array_equal(paged.eval(prompt, exact=True), want)
+    assert paged.n_paged_layers == n_paged and paged.pager.stats["host_chunks"] > 40
+    assert np.abs(pooled.eval(prompt) - want).max() > 1e-4      # the pool alone does not give it
+    for t in ids(5, 5, vocab):
+        one = np.asarray([t], np.int32)
+        assert np.array_equal(paged.eval(one, exact=True), full.eval(one))
+    more = ids(9, 6, vocab)
+    assert np.array_equal(paged.eval(more, all_logits=True, exact=True), full.eval(more, all_logits=True))

@@ -182,34 +182,12 @@ def test_captured_queries_and_scorers(models):
 # --------------------------------------------------------------------------- 3. paging
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 def test_a_batch_is_its_steps(models, kv_type):
-    """Through the sliding ring (its lower edge differs per query) and across a 256-slot edge."""
-    path = models["main"]["path"]
-    a = _runtime(path, kv_type=kv_type, chunk_tokens=16)
-    b = _runtime(path, kv_type=kv_type, chunk_tokens=16)
-    ids = _ids(253, seed=12)
-    a.eval(ids)
-    b.eval(ids)
-    more = _ids(7, seed=13)
-    assert np.array_equal(a.eval(more, all_logits=True), np.stack([b.eval(more[i:i + 1]) for i in range(len(more))]))
+    familyutil.a_batch_is_its_steps(models["main"]["path"], V, kv_type)
 
 
 @pytest.mark.parametrize("model,n_paged", [("main", 2), ("full", 5)])
 def test_exact_eval_is_the_full_cache(models, model, n_paged):
-    m = core.Model(models[model]["path"], n_threads=2)
-    kw = dict(max_ctx=2048, chunk_tokens=16, ubatch=128, kv_type="f16")
-    full = core.Runtime(m, pool_tokens=0, **kw)
-    paged = core.Runtime(m, pool_tokens=256, **kw)
-    pooled = core.Runtime(m, pool_tokens=256, **kw)
-    ids = _ids(900, seed=4)
-    want = full.eval(ids)
-    assert np.array_equal(paged.eval(ids, exact=True), want)
-    assert paged.n_paged_layers == n_paged and paged.pager.stats["host_chunks"] > 40
-    assert np.abs(pooled.eval(ids) - want).max() > 1e-4      # the pool alone does not give it
-    for t in _ids(5, seed=5):
-        one = np.asarray([t], np.int32)
-        assert np.array_equal(paged.eval(one, exact=True), full.eval(one))
-    more = _ids(9, seed=6)
-    assert np.array_equal(paged.eval(more, all_logits=True, exact=True), full.eval(more, all_logits=True))
+    familyutil.exact_eval_is_the_full_cache(models[model]["path"], V, n_paged)
 
 
 @pytest.mark.parametrize("policy", ["lru", "qk"])
