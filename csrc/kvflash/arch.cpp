@@ -181,6 +181,30 @@ void full_rope(const GGUFKeys &kv, const Hparams &hp) {
                                     " != head dim " + std::to_string(hp.head_dim_k) + ") is not supported for " + kv.arch);
 }
 
+void read_swa_pattern(const GGUFKeys &kv, Hparams &hp, int64_t default_period, bool dense_first) {
+    const std::string pk = kv.arch + ".attention.sliding_window_pattern";
+    const int64_t pid = kv.find(pk);
+    if (pid >= 0 && gguf_get_kv_type(kv.g, pid) == GGUF_TYPE_ARRAY) {
+        const std::vector<int64_t> per = kv.get_ints(pk, size_t(hp.n_layer), true);
+        if (per.size() != size_t(hp.n_layer))
+            throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern has " + std::to_string(per.size()) +
+                                        " values for " + std::to_string(hp.n_layer) + " layers");
+        for (int32_t il = 0; il < hp.n_layer; ++il) hp.is_swa[size_t(il)] = per[size_t(il)] != 0;
+    } else {
+        const int64_t period = kv.a("attention.sliding_window_pattern", default_period, false);
+        if (period < 0 || period > (int64_t(1) << 30))
+            throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern = " + std::to_string(period) +
+                                        " is out of range");
+        for (int32_t il = 0; il < hp.n_layer; ++il)
+            hp.is_swa[size_t(il)] = period == 0 || (dense_first ? il % period != 0 : (il % period) < period - 1);
+    }
+    bool any_global = false;
+    for (uint8_t s : hp.is_swa) any_global = any_global || !s;
+    if (!any_global)
+        throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern leaves no global layer; kvflash pages "
+                                              "the global layers");
+}
+
 void refuse_experts(const GGUFKeys &kv, const Hparams &hp) {
     if (hp.n_expert > 0)
         throw std::invalid_argument(kv.file + ": a " + kv.arch + " file with experts (expert_count " +

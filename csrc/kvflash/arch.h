@@ -139,6 +139,11 @@ void load_moe(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights
 
 // For a family whose RoPE covers the whole head (llama.cpp asserts it): std::invalid_argument otherwise.
 void full_rope(const GGUFKeys &kv, const Hparams &hp);
+// hp.is_swa from <arch>.attention.sliding_window_pattern: a per-layer bool array (n_layer values), or a period
+// (default_period when absent; 0: every layer slides) whose last layer is global, or its first with
+// dense_first (llama.cpp's set_swa_pattern).  std::invalid_argument for a bad array or period, or a pattern
+// that leaves no global layer (kvflash pages the global layers).
+void read_swa_pattern(const GGUFKeys &kv, Hparams &hp, int64_t default_period, bool dense_first);
 // For a family whose graph has no experts: std::invalid_argument when the file has some.
 void refuse_experts(const GGUFKeys &kv, const Hparams &hp);
 // A routed-expert width read from <arch>.expert_feed_forward_length, else fallback; checked > 0.

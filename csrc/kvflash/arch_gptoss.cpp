@@ -36,29 +36,8 @@ void read_gptoss(const GGUFKeys &kv, Hparams &hp) {
         throw std::invalid_argument(kv.file + ": attention.sliding_window = " + std::to_string(n_swa) +
                                     " is out of range (a gpt-oss file slides its windowed layers over > 0 tokens)");
     hp.n_swa = int32_t(n_swa);
-    // The pattern: a per-layer bool array, or a period (llama.cpp's set_swa_pattern: the last layer of
-    // each period is global; 0: every layer slides), default 2.
-    const std::string pk = kv.arch + ".attention.sliding_window_pattern";
-    const int64_t pid = kv.find(pk);
-    if (pid >= 0 && gguf_get_kv_type(kv.g, pid) == GGUF_TYPE_ARRAY) {
-        const std::vector<int64_t> per = kv.get_ints(pk, size_t(hp.n_layer), true);
-        if (per.size() != size_t(hp.n_layer))
-            throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern has " + std::to_string(per.size()) +
-                                        " values for " + std::to_string(hp.n_layer) + " layers");
-        for (int32_t il = 0; il < hp.n_layer; ++il) hp.is_swa[size_t(il)] = per[size_t(il)] != 0;
-    } else {
-        const int64_t period = kv.a("attention.sliding_window_pattern", 2, false);
-        if (period < 0 || period > (int64_t(1) << 30))
-            throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern = " + std::to_string(period) +
-                                        " is out of range");
-        for (int32_t il = 0; il < hp.n_layer; ++il)
-            hp.is_swa[size_t(il)] = period == 0 || (il % period) < period - 1;
-    }
-    bool any_global = false;
-    for (uint8_t s : hp.is_swa) any_global = any_global || !s;
-    if (!any_global)
-        throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern leaves no global layer; kvflash pages "
-                                              "the global layers");
+    // The pattern (llama.cpp's set_swa_pattern): a period of 2 by default, its last layer global.
+    read_swa_pattern(kv, hp, 2, false);
     // Sliding layers: the global layers' base unless the file has its own, and the same frequency scale
     // (YaRN's ext_factor and magnitude apply to every layer: model.h).
     hp.rope_base_swa = kv.finite("rope.freq_base_swa", hp.rope_base, true);

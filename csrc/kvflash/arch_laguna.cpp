@@ -71,29 +71,8 @@ void read_laguna(const GGUFKeys &kv, Hparams &hp) {
         throw std::invalid_argument(kv.file + ": attention.sliding_window = " + std::to_string(n_swa) + " is out of range");
     if (n_swa > 0) {
         hp.n_swa = int32_t(n_swa);
-        // the pattern: a per-layer bool array, or a period (default 4) whose first layer is global
-        // (llama.cpp's set_swa_pattern with dense_first; 0: every layer slides)
-        const std::string pk = kv.arch + ".attention.sliding_window_pattern";
-        const int64_t pid = kv.find(pk);
-        if (pid >= 0 && gguf_get_kv_type(kv.g, pid) == GGUF_TYPE_ARRAY) {
-            const std::vector<int64_t> per = kv.get_ints(pk, size_t(hp.n_layer), true);
-            if (per.size() != size_t(hp.n_layer))
-                throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern has " +
-                                            std::to_string(per.size()) + " values for " + std::to_string(hp.n_layer) +
-                                            " layers");
-            for (int32_t il = 0; il < hp.n_layer; ++il) hp.is_swa[size_t(il)] = per[size_t(il)] != 0;
-        } else {
-            const int64_t period = kv.a("attention.sliding_window_pattern", 4, false);
-            if (period < 0 || period > (int64_t(1) << 30))
-                throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern = " + std::to_string(period) +
-                                            " is out of range");
-            for (int32_t il = 0; il < hp.n_layer; ++il) hp.is_swa[size_t(il)] = period == 0 || il % period != 0;
-        }
-        bool any_global = false;
-        for (uint8_t s : hp.is_swa) any_global = any_global || !s;
-        if (!any_global)
-            throw std::invalid_argument(kv.file + ": attention.sliding_window_pattern leaves no global layer; kvflash "
-                                                  "pages the global layers");
+        // the pattern: a period of 4 by default whose first layer is global (set_swa_pattern's dense_first)
+        read_swa_pattern(kv, hp, 4, true);
         // sliding layers: plain RoPE (frequency scale 1, no YaRN), their own base and dimension count
         hp.rope_base_swa = kv.finite("rope.freq_base_swa", hp.rope_base, true);
         hp.rope_scale_swa = 1.0f;
