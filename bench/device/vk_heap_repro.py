@@ -12,9 +12,13 @@ than any graph before it -- flash attention's split-k temporaries (ggml-vulkan.c
 ggml_vk_preallocate_buffers destroys the old buffer and creates a bigger one) depend on the query count, a
 one-token decode graph sizes them first, and the chunk-sized pieces after it need more: the same class as
 the crash the runtimes' reserved compute buffers avoided (ARCHITECTURE.md), which happened only when such a
-buffer grew after another had been freed.  Next steps: VK_LOG_MEMORY / a ggml-vulkan debug build to see a
-regrowth right before the crash; if so, warm the scratch sizes at runtime creation by computing the graph
-shapes that need the most (the chunk pieces and the ubatch at n_kv = the pool) before any other.
+buffer grew after another had been freed.  Seen with ggml-vulkan's memory log (a build with
+-Ccmake.define.GGML_VULKAN_MEMORY_DEBUG=ON, run with GGML_VK_MEMORY_LOGGER=1): the decode steps allocate the
+split-k temporary at 16896 bytes; the first piece after them regrows it to 67584 (the old buffer destroyed, a new
+one made); then the host store's first pinned buffer is allocated (the first page-out) and the process dies in
+the next compute.  prealloc_x also regrows (384 -> 512 KiB) during the first prompt without a crash, so regrowth
+alone is not the whole story.  Next: warm the split-k size at runtime creation (compute a chunk-sized piece's
+graph at n_kv = the pool before any one-token graph) and see whether the crash goes; ASan on the Vulkan build.
 
     GGML_VK_VISIBLE_DEVICES=0 python bench/device/vk_heap_repro.py MODEL.gguf   # any small llama GGUF
 
