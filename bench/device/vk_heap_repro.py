@@ -17,8 +17,12 @@ buffer grew after another had been freed.  Seen with ggml-vulkan's memory log (a
 split-k temporary at 16896 bytes; the first piece after them regrows it to 67584 (the old buffer destroyed, a new
 one made); then the host store's first pinned buffer is allocated (the first page-out) and the process dies in
 the next compute.  prealloc_x also regrows (384 -> 512 KiB) during the first prompt without a crash, so regrowth
-alone is not the whole story.  Next: warm the split-k size at runtime creation (compute a chunk-sized piece's
-graph at n_kv = the pool before any one-token graph) and see whether the crash goes; ASan on the Vulkan build.
+alone is not the whole story.  The test that points at it: the same sequence with a 64-token piece evaluated
+before the decode steps (the split-k temporary sized 67584 at once, never regrown) runs to the end with its
+page-outs; with a 2-token piece there instead (16896 -> 59136 -> 67584) it crashes.  So the fix to try: on a GPU
+runtime, have ggml-vulkan size that temporary to its largest before any graph needs less -- e.g. a warm-up of
+flash attention alone over the pool's extent at the query counts that need the most (chunk-sized pieces) when
+the runtime is made -- and confirm with this script and ASan.
 
     GGML_VK_VISIBLE_DEVICES=0 python bench/device/vk_heap_repro.py MODEL.gguf   # any small llama GGUF
 
