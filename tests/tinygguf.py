@@ -958,6 +958,7 @@ def write_tiny_gemma4(
     drop: tuple[str, ...] = (),
     retype: dict[str, Any] | None = None,
     reshape: dict[str, tuple[int, ...]] | None = None,
+    overrides: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """A tiny random-weight gemma4 GGUF, laid out as llama.cpp loads it (src/models/gemma4.cpp) and as its
     converter writes it (conversion/gemma.py, Gemma4Model).
@@ -977,8 +978,9 @@ def write_tiny_gemma4(
     .scale, pre_ffw_norm_2, post_ffw_norm_1/2, the experts (``fused_gate_up``: one ffn_gate_up_exps) and
     ffn_down_exps.scale (``expert_scale``).  The gpt2 tokenizer of make_vocab (the gemma4 tokenizer model
     is tested on llama.cpp's vocabulary vectors: tests/test_vocab_core.py).  ``drop`` / ``retype`` /
-    ``reshape``: tensors left out, stored as another dtype, or drawn in another (numpy) shape.  Returns
-    {"path", "vocab", "n_vocab", "is_swa", "kv_src", "hparams"}.
+    ``reshape``: tensors left out, stored as another dtype, or drawn in another (numpy) shape; ``overrides``:
+    tensor name -> one value every element takes after the draws (the same weights with one feature off).
+    Returns {"path", "vocab", "n_vocab", "is_swa", "kv_src", "hparams"}.
     """
     if weight_type not in ("f32", "f16"):
         raise ValueError("weight_type must be 'f32' or 'f16'")
@@ -1010,7 +1012,8 @@ def write_tiny_gemma4(
     vec("output_norm.weight", E, mean=1.0, std=0.1)
     mat("output.weight", n_vocab, E, std=0.3)
     n_rot_pairs = int(head_dim * partial_rotary / 2)
-    arrays["rope_freqs.weight"] = np.array([1.0] * n_rot_pairs + [1e30] * (head_dim // 2 - n_rot_pairs), np.float32)
+    freqs = np.array([1.0] * n_rot_pairs + [1e30] * (head_dim // 2 - n_rot_pairs), np.float32)
+    arrays["rope_freqs.weight"] = np.resize(freqs, reshape.get("rope_freqs.weight", freqs.shape))
     if P:
         mat("per_layer_token_embd.weight", n_vocab, P * n_layer, std=0.5)
         mat("per_layer_model_proj.weight", P * n_layer, E, std=1.0)
@@ -1056,10 +1059,13 @@ def write_tiny_gemma4(
             mat(p + "inp_gate.weight", P, E, std=inv)
             mat(p + "proj.weight", E, P, std=1.0 / math.sqrt(P))
             vec(p + "post_norm.weight", E, mean=1.0, std=0.1)
+    for name, val in (overrides or {}).items():
+        arrays[name] = np.full_like(arrays[name], val)
     for name in drop:
         del arrays[name]
-    for name, dt in (retype or {}).items():
-        arrays[name] = arrays[name].astype(dt)
+    with np.errstate(over="ignore"):   # rope_freqs' 1e30 as f16 is inf: a file broken on purpose anyway
+        for name, dt in (retype or {}).items():
+            arrays[name] = arrays[name].astype(dt)
 
     arch = "gemma4"
     path = Path(path)
