@@ -3,8 +3,8 @@
 Writes complete, llama.cpp-loadable GGUF files for the architectures ``llama``,
 ``qwen2``, ``qwen3`` and ``gemma3`` using the pip ``gguf`` package's
 ``GGUFWriter`` (the MoE and hybrid families: :func:`write_tiny_hybrid`; gpt-oss:
-:func:`write_tiny_gptoss`, below).  Tensor names, shapes and metadata keys follow llama.cpp
-(vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
+:func:`write_tiny_gptoss`; laguna: :func:`write_tiny_laguna`; gemma4: :func:`write_tiny_gemma4`,
+below).  Tensor names, shapes and metadata keys follow llama.cpp (vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
 
 Tensor names (src/llama-arch.cpp, LLM_TENSOR_NAMES; gguf.constants.TENSOR_NAMES)::
 
