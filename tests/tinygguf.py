@@ -3,8 +3,8 @@
 Writes complete, llama.cpp-loadable GGUF files for the architectures ``llama``,
 ``qwen2``, ``qwen3`` and ``gemma3`` using the pip ``gguf`` package's
 ``GGUFWriter`` (the MoE and hybrid families: :func:`write_tiny_hybrid`; gpt-oss:
-:func:`write_tiny_gptoss`, below).  Tensor names, shapes and metadata keys follow llama.cpp
-(vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
+:func:`write_tiny_gptoss`; laguna: :func:`write_tiny_laguna`; gemma4: :func:`write_tiny_gemma4`,
+below).  Tensor names, shapes and metadata keys follow llama.cpp (vendored in llama_cpp_python-0.3.36, ``vendor/llama.cpp``):
 
 Tensor names (src/llama-arch.cpp, LLM_TENSOR_NAMES; gguf.constants.TENSOR_NAMES)::
 
@@ -921,3 +921,194 @@ def write_tiny_laguna(
     _write_tensors(w, arrays)
     return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "is_swa": is_swa, "heads": heads,
             "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": D, "n_swa": n_swa}}
+
+
+def write_tiny_gemma4(
+    path: str | Path,
+    *,
+    swa_pattern: list[bool] | int | None = None,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 1,
+    n_head_kv_swa: int = 2,
+    head_dim: int = 64,
+    head_dim_swa: int = 32,
+    n_rot_swa: int | None = 32,
+    partial_rotary: float = 0.25,
+    n_ff: int | list[int] = 96,
+    n_shared_kv: int = 2,
+    n_embd_per_layer: int = 16,
+    n_expert: int = 0,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    fused_gate_up: bool = False,
+    expert_scale: bool = True,
+    k_eq_v: str = "global",
+    out_scale: bool = True,
+    n_swa: int = 32,
+    rope_base: float = 1000000.0,
+    rope_base_swa: float | None = 10000.0,
+    softcap: float | None = 30.0,
+    router_scale: float = 4.0,
+    ctx_len: int = 65536,
+    seed: int = 0,
+    weight_type: str = "f32",
+    rms_eps: float = 1e-6,
+    extra: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    retype: dict[str, Any] | None = None,
+    reshape: dict[str, tuple[int, ...]] | None = None,
+    overrides: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A tiny random-weight gemma4 GGUF, laid out as llama.cpp loads it (src/models/gemma4.cpp) and as its
+    converter writes it (conversion/gemma.py, Gemma4Model).
+
+    Layers: ``swa_pattern`` (default [T, T, F, T, F, T, F]: 7 layers, sliding where True), written as the
+    per-layer bool array (an int: written as a period, which llama.cpp refuses for gemma4); the last ``n_shared_kv`` layers have no K/V of their own (llama.cpp reads
+    layer n_kv - 2's cache on a sliding one, n_kv - 1's on a global one, n_kv = layers - shared): no attn_k,
+    attn_v or attn_k_norm.  Global layers: head dim ``head_dim`` (key_length), ``n_head_kv`` K/V heads, RoPE over
+    the whole head with rope_freqs (1 on the first ``partial_rotary`` of the pairs, 1e30 on the rest: the
+    converter's "proportional" RoPE); sliding layers: ``head_dim_swa`` (key_length_swa), ``n_head_kv_swa``
+    heads (head_count_kv as a per-layer array), rope.dimension_count_swa ``n_rot_swa`` and their own base.
+    ``k_eq_v``: which layers have no attn_v (V is K's product): "global", "all" or "none".  Every layer:
+    attn_norm, attn_q/k(/v), q/k norms, attn_output, post_attention_norm, ffn_norm, ffn_gate/up/down (width
+    ``n_ff``, one or per layer), post_ffw_norm, layer_output_scale (``out_scale``); with ``n_embd_per_layer``
+    the per-layer embeddings (per_layer_token_embd, per_layer_model_proj, per_layer_proj_norm; inp_gate,
+    proj, post_norm per layer); with ``n_expert`` every layer a MoE layer too: the router ffn_gate_inp and its
+    .scale, pre_ffw_norm_2, post_ffw_norm_1/2, the experts (``fused_gate_up``: one ffn_gate_up_exps) and
+    ffn_down_exps.scale (``expert_scale``).  The gpt2 tokenizer of make_vocab (the gemma4 tokenizer model
+    is tested on llama.cpp's vocabulary vectors: tests/test_vocab_core.py).  ``drop`` / ``retype`` /
+    ``reshape``: tensors left out, stored as another dtype, or drawn in another (numpy) shape; ``overrides``:
+    tensor name -> one value every element takes after the draws (the same weights with one feature off).
+    Returns {"path", "vocab", "n_vocab", "is_swa", "kv_src", "hparams"}.
+    """
+    if weight_type not in ("f32", "f16"):
+        raise ValueError("weight_type must be 'f32' or 'f16'")
+    if swa_pattern is None:
+        swa_pattern = [True, True, False, True, False, True, False]
+    is_swa = [bool(x) for x in swa_pattern] if isinstance(swa_pattern, (list, tuple)) else None
+    n_layer = len(is_swa) if is_swa is not None else 7
+    if is_swa is None:
+        is_swa = [True] * n_layer
+    vocab = make_vocab()
+    n_vocab = len(vocab["tokens"])
+    rng = np.random.default_rng(seed)
+    np_wtype = np.float16 if weight_type == "f16" else np.float32
+    arrays: dict[str, Any] = {}
+    reshape = reshape or {}
+
+    def mat(name: str, *shape: int, std: float, dtype=None) -> None:
+        arrays[name] = (rng.standard_normal(reshape.get(name, shape)) * std).astype(dtype or np_wtype)
+
+    def vec(name: str, *shape: int, mean: float, std: float) -> None:
+        arrays[name] = (mean + rng.standard_normal(reshape.get(name, shape)) * std).astype(np.float32)
+
+    n_kv = n_layer - n_shared_kv
+    kv_src = [-1 if il < n_kv else n_kv - (2 if is_swa[il] else 1) for il in range(n_layer)]
+    ffs = list(n_ff) if isinstance(n_ff, (list, tuple)) else [n_ff] * n_layer
+    E, H, P, X, FE = n_embd, n_head, n_embd_per_layer, n_expert, n_ff_exp
+    inv = 1.0 / math.sqrt(E)
+    mat("token_embd.weight", n_vocab, E, std=0.3)
+    vec("output_norm.weight", E, mean=1.0, std=0.1)
+    mat("output.weight", n_vocab, E, std=0.3)
+    n_rot_pairs = int(head_dim * partial_rotary / 2)
+    freqs = np.array([1.0] * n_rot_pairs + [1e30] * (head_dim // 2 - n_rot_pairs), np.float32)
+    arrays["rope_freqs.weight"] = np.resize(freqs, reshape.get("rope_freqs.weight", freqs.shape))
+    if P:
+        mat("per_layer_token_embd.weight", n_vocab, P * n_layer, std=0.5)
+        mat("per_layer_model_proj.weight", P * n_layer, E, std=1.0)
+        vec("per_layer_proj_norm.weight", P, mean=1.0, std=0.1)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        D = head_dim_swa if is_swa[il] else head_dim
+        Hkv = n_head_kv_swa if is_swa[il] else n_head_kv
+        vec(p + "attn_norm.weight", E, mean=1.0, std=0.1)
+        mat(p + "attn_q.weight", D * H, E, std=inv)
+        if kv_src[il] < 0:
+            mat(p + "attn_k.weight", D * Hkv, E, std=inv)
+            if not (k_eq_v == "all" or (k_eq_v == "global" and not is_swa[il])):
+                mat(p + "attn_v.weight", D * Hkv, E, std=inv)
+            vec(p + "attn_k_norm.weight", D, mean=1.0, std=0.1)
+        vec(p + "attn_q_norm.weight", D, mean=1.0, std=0.1)
+        mat(p + "attn_output.weight", E, D * H, std=1.0 / math.sqrt(D * H))
+        vec(p + "post_attention_norm.weight", E, mean=1.0, std=0.1)
+        F = ffs[il]
+        vec(p + "ffn_norm.weight", E, mean=1.0, std=0.1)
+        mat(p + "ffn_gate.weight", F, E, std=inv)
+        mat(p + "ffn_up.weight", F, E, std=inv)
+        mat(p + "ffn_down.weight", E, F, std=1.0 / math.sqrt(F))
+        vec(p + "post_ffw_norm.weight", E, mean=1.0, std=0.1)
+        if out_scale:
+            arrays[p + "layer_output_scale.weight"] = rng.uniform(0.5, 1.5, reshape.get(
+                p + "layer_output_scale.weight", (1,))).astype(np.float32)
+        if X:
+            mat(p + "ffn_gate_inp.weight", X, E, std=router_scale, dtype=np.float32)
+            vec(p + "ffn_gate_inp.scale", E, mean=1.0, std=0.2)
+            vec(p + "pre_ffw_norm_2.weight", E, mean=1.0, std=0.1)
+            vec(p + "post_ffw_norm_1.weight", E, mean=1.0, std=0.1)
+            vec(p + "post_ffw_norm_2.weight", E, mean=1.0, std=0.1)
+            if fused_gate_up:
+                mat(p + "ffn_gate_up_exps.weight", X, 2 * FE, E, std=inv)
+            else:
+                mat(p + "ffn_gate_exps.weight", X, FE, E, std=inv)
+                mat(p + "ffn_up_exps.weight", X, FE, E, std=inv)
+            mat(p + "ffn_down_exps.weight", X, E, FE, std=1.0 / math.sqrt(FE))
+            if expert_scale:
+                vec(p + "ffn_down_exps.scale", X, mean=1.0, std=0.3)
+        if P:
+            mat(p + "inp_gate.weight", P, E, std=inv)
+            mat(p + "proj.weight", E, P, std=1.0 / math.sqrt(P))
+            vec(p + "post_norm.weight", E, mean=1.0, std=0.1)
+    for name, val in (overrides or {}).items():
+        arrays[name] = np.full_like(arrays[name], val)
+    for name in drop:
+        del arrays[name]
+    with np.errstate(over="ignore"):   # rope_freqs' 1e30 as f16 is inf: a file broken on purpose anyway
+        for name, dt in (retype or {}).items():
+            arrays[name] = arrays[name].astype(dt)
+
+    arch = "gemma4"
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-gemma4")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16" else gguf.LlamaFileType.ALL_F32))
+    meta: dict[str, Any] = {
+        f"{arch}.context_length": ctx_len,
+        f"{arch}.embedding_length": E,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.feed_forward_length": ffs if len(set(ffs)) > 1 else ffs[0],
+        f"{arch}.attention.head_count": H,
+        f"{arch}.attention.head_count_kv": [n_head_kv_swa if s else n_head_kv for s in is_swa],
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.attention.key_length_swa": head_dim_swa,
+        f"{arch}.attention.value_length_swa": head_dim_swa,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{arch}.attention.sliding_window": n_swa,
+        f"{arch}.attention.sliding_window_pattern": swa_pattern,
+        f"{arch}.attention.shared_kv_layers": n_shared_kv,
+        f"{arch}.embedding_length_per_layer_input": P,
+        f"{arch}.rope.freq_base": float(rope_base),
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.vocab_size": n_vocab,
+    }
+    if rope_base_swa is not None:
+        meta[f"{arch}.rope.freq_base_swa"] = float(rope_base_swa)
+    if n_rot_swa is not None:
+        meta[f"{arch}.rope.dimension_count_swa"] = n_rot_swa
+    if softcap is not None:
+        meta[f"{arch}.final_logit_softcapping"] = float(softcap)
+    if X:
+        meta[f"{arch}.expert_count"] = X
+        meta[f"{arch}.expert_used_count"] = n_expert_used
+        meta[f"{arch}.expert_feed_forward_length"] = FE
+    meta.update(extra or {})
+    _write_tokenizer(w, vocab, n_vocab)
+    for k, v in meta.items():
+        if v is None:
+            continue
+        _add_extra_kv(w, k, v)
+    _write_tensors(w, arrays)
+    return {"path": str(path), "vocab": vocab, "n_vocab": n_vocab, "is_swa": is_swa, "kv_src": kv_src,
+            "hparams": {"arch": arch, "n_layer": n_layer, "n_embd": E, "head_dim": head_dim,
+                        "head_dim_swa": head_dim_swa, "n_swa": n_swa}}

@@ -102,6 +102,16 @@ model and as an RPC server holds its layers: weight_placement says what each par
             d["n_head_per_layer"] = heads;
             d["n_rot"] = h.n_rot; d["n_rot_swa"] = h.n_rot_swa; d["rope_scale_swa"] = h.rope_scale_swa;
             d["n_layer_dense_lead"] = h.n_layer_dense_lead;
+            // per-layer geometry (gemma4: the sliding layers' head dim and K/V heads, shared-KV sources)
+            std::vector<int32_t> kvh, ff, src;
+            for (int32_t il = 0; il < h.n_layer; ++il) {
+                kvh.push_back(h.n_head_kv_at(il));
+                ff.push_back(h.n_ff_at(il));
+                src.push_back(h.kv_source(il));
+            }
+            d["n_head_kv_per_layer"] = kvh; d["n_ff_per_layer"] = ff; d["kv_src"] = src;
+            d["head_dim_swa"] = h.head_dim_swa; d["n_embd_per_layer"] = h.n_embd_per_layer;
+            d["final_softcap"] = h.final_softcap;
             return d;
         });
 }

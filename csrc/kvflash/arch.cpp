@@ -11,7 +11,7 @@ namespace kvflash {
 
 // Registration: one entry per family, each defined in its arch_*.cpp.
 #define KVFLASH_ARCHS(X) \
-    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss) X(kArchLaguna)
+    X(kArchLlama) X(kArchQwen2) X(kArchQwen3) X(kArchQwen3Moe) X(kArchGemma3) X(kArchQwen35) X(kArchQwen35Moe) X(kArchGptOss) X(kArchLaguna) X(kArchGemma4)
 
 #define KVFLASH_DECLARE(name) extern const ArchOps name;
 KVFLASH_ARCHS(KVFLASH_DECLARE)
@@ -36,8 +36,10 @@ ggml_tensor *Forward::norm(ggml_tensor *t, ggml_tensor *w) const {
 
 ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale,
                                 float kq_scale) {
-    const int32_t D = hp->head_dim_k, H = hp->n_head_at(il), Hkv = hp->n_head_kv;
+    const int32_t D = hp->head_dim_at(il), H = hp->n_head_at(il), Hkv = hp->n_head_kv_at(il);
     const bool swa = hp->is_swa[il] != 0;
+    const int32_t src = hp->kv_source(il);   // >= 0: this layer reads that layer's KV and stores none
+    ggml_tensor *freq = weights(il).rope_freqs;   // [n_rot / 2] frequency factors, or none
     const float base = swa ? hp->rope_base_swa : hp->rope_base, scale = swa ? hp->rope_scale_swa : hp->rope_scale;
     const int n_rot = swa ? hp->n_rot_swa : hp->n_rot;   // < D: partial RoPE (ggml keeps the other dims)
     // YaRN's terms (0, 1, 32, 1 and the trained context unless the file asks for YaRN: model.h); plain RoPE
@@ -49,13 +51,14 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     if (hp->rope_multi) {
         int sections[4];
         std::copy(hp->rope_sections, hp->rope_sections + 4, sections);
-        q = ggml_rope_multi(ctx, q, pos4, nullptr, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
+        q = ggml_rope_multi(ctx, q, pos4, freq, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
                             bslow);
-        k = ggml_rope_multi(ctx, k, pos4, nullptr, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag, bfast,
-                            bslow);
+        if (k)
+            k = ggml_rope_multi(ctx, k, pos4, freq, n_rot, sections, hp->rope_mode, n_orig, base, scale, ext, mag,
+                                bfast, bslow);
     } else {
-        q = ggml_rope_ext(ctx, q, pos, nullptr, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
-        k = ggml_rope_ext(ctx, k, pos, nullptr, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
+        q = ggml_rope_ext(ctx, q, pos, freq, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
+        if (k) k = ggml_rope_ext(ctx, k, pos, freq, n_rot, hp->rope_mode, n_orig, base, scale, ext, mag, bfast, bslow);
     }
     const LayerCache &c = caches[il];
     ggml_tensor *sinks = weights(il).attn_sinks;   // [H] f32, or none
@@ -68,11 +71,27 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
     }
     if (q_scale != 1.0f) q = ggml_scale(ctx, q, q_scale);
 
-    // Store K/V rows at their slots (RoPE already applied with the logical position).
-    ggml_tensor *ks = ggml_set_rows(ctx, c.k, ggml_reshape_2d(ctx, k, hp->n_embd_k(), n), c.slots);
-    ggml_tensor *vs = ggml_set_rows(ctx, c.v, ggml_reshape_2d(ctx, v, hp->n_embd_v(), n), c.slots);
-    ggml_build_forward_expand(gf, ks);
-    ggml_build_forward_expand(gf, vs);
+    if (stored_k.size() < caches.size()) {
+        stored_k.resize(caches.size(), nullptr);
+        stored_v.resize(caches.size(), nullptr);
+    }
+    ggml_tensor *ks, *vs;
+    if (src >= 0) {
+        // a shared-KV layer: its source's rows as written this graph (the source is an earlier layer)
+        if (size_t(src) >= stored_k.size() || !stored_k[size_t(src)] || k || v)
+            throw std::logic_error("layer " + std::to_string(il) + " reads layer " + std::to_string(src) +
+                                   "'s KV, which this graph has not written");
+        ks = stored_k[size_t(src)];
+        vs = stored_v[size_t(src)];
+    } else {
+        // Store K/V rows at their slots (RoPE already applied with the logical position).
+        ks = ggml_set_rows(ctx, c.k, ggml_reshape_2d(ctx, k, int64_t(D) * Hkv, n), c.slots);
+        vs = ggml_set_rows(ctx, c.v, ggml_reshape_2d(ctx, v, int64_t(D) * Hkv, n), c.slots);
+        ggml_build_forward_expand(gf, ks);
+        ggml_build_forward_expand(gf, vs);
+        stored_k[size_t(il)] = ks;
+        stored_v[size_t(il)] = vs;
+    }
     ggml_tensor *att;
     if (pool_attn && c.params->rows) {
         // Exact mode: the rows come through the layer's row table (pool and host store); the

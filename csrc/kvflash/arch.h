@@ -80,6 +80,11 @@ struct Forward {
     // write conv_out and ssm_out (i64)
     ggml_tensor *conv_in = nullptr, *conv_out = nullptr, *ssm_in = nullptr, *ssm_out = nullptr;
     std::vector<LayerCache> caches;                  // per evaluated layer
+    // per evaluated layer, the stored K / V rows after its writes (attention sets them): a layer that shares
+    // another's KV (Hparams::kv_src) attends over its source's, ordered after the source's writes
+    std::vector<ggml_tensor *> stored_k, stored_v;
+    // gemma4's per-layer embeddings [n_embd_per_layer, n, n_layer] (its embed builds them, its layers read them)
+    ggml_tensor *per_layer_inp = nullptr;
     bool pool_attn = false;                          // kvflash's CPU kernel, else ggml_flash_attn_ext
     int32_t n_capture = 0;                           // queries of the last n_capture tokens kept per paged layer
     std::vector<ggml_tensor *> q_out;                // captured queries: [D, H, n_capture] per paged layer
@@ -95,9 +100,11 @@ struct Forward {
     // t: [n_embd or D, ...]; RMS norm times w.
     ggml_tensor *norm(ggml_tensor *t, ggml_tensor *w) const;
     // The attention-over-pool block of layer il.  q: [D, H, n], k: [D, Hkv, n] (normed, pre-RoPE),
-    // v: [n_embd_v, n].  RoPE (the layer's base: sliding or global), the query capture, q *= q_scale
+    // v: [n_embd_v, n] (D, Hkv: the layer's, Hparams::head_dim_at / n_head_kv_at).  RoPE (the layer's base:
+    // sliding or global; its frequency factors where the layer has rope_freqs), the query capture, q *= q_scale
     // (skipped when 1), K/V stored at the slots, attention with softmax scale kq_scale over the
-    // layer's visible rows.  Returns [D*H, n].
+    // layer's visible rows.  A layer that reads another's KV (Hparams::kv_source) passes k = v = nullptr: it
+    // stores nothing and attends over its source's rows with its source's mask.  Returns [D*H, n].
     ggml_tensor *attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale, float kq_scale);
     // The feed-forward block of layer il on x [n_embd, n] (normed): SwiGLU, or the routed mixture
     // when the model has experts (moe), plus the shared expert where the layer has one.
@@ -129,6 +136,14 @@ struct ArchOps {
     // The family's layers may have their own query head counts (attention.head_count as an array: laguna's
     // sliding layers); the others refuse a count that varies.
     bool per_layer_heads = false;
+    // The family's layers may have their own K/V head counts and FFN widths (attention.head_count_kv and
+    // feed_forward_length as arrays: gemma4); the others refuse values that vary.
+    bool per_layer_kv = false;
+    // Graph nodes a layer may take beyond the runtime's budget of 96 (gemma4's MoE layer with per-layer embeddings).
+    int32_t extra_nodes = 0;
+    // After the shared model tensors (token_embd, output_norm, output), before the layers: the family's own
+    // model-wide tensors (gemma4's per-layer embeddings); nullptr: none.
+    void (*load_model)(const TensorLoader &t, const Hparams &hp, Model &m) = nullptr;
 };
 
 // Layer il's feed-forward weights: the dense SwiGLU (ffn_gate / ffn_up / ffn_down), or load_moe's.

@@ -87,9 +87,29 @@ struct Hparams {
     float expert_weights_scale = 0.f;                 // then multiplied by this (0 or 1: not scaled)
     // A leading run of layers whose feed-forward is the dense SwiGLU before the routed ones (laguna).
     int32_t n_layer_dense_lead = 0;
+    // Per layer, as the file gives them (attention.head_count_kv and feed_forward_length may be arrays); a
+    // family takes counts that vary only where ArchOps::per_layer_kv says so (gemma4), else they are one.
+    std::vector<int32_t> n_head_kv_l, n_ff_l;
+    // The sliding layers' head geometry (gemma4: attention.key_length_swa and the sliding layers' K/V heads;
+    // every sliding layer alike, the ring's rows one size); the global layers' (head_dim_k, n_head_kv)
+    // elsewhere.  n_head_kv and head_dim_k stay the paged layers' (the pool, the captured queries, the
+    // scorers, snapshots).
+    int32_t head_dim_swa = 0, n_head_kv_swa = 0;
+    // Shared KV (gemma4's attention.shared_kv_layers): kv_src[il] >= 0 is the earlier layer whose cache
+    // layer il reads; such a layer writes and keeps none (not paged, no ring).  Empty or -1: its own.
+    std::vector<int32_t> kv_src;
+    // Per-layer embeddings (gemma4 E2B/E4B: embedding_length_per_layer_input), 0: none.
+    int32_t n_embd_per_layer = 0;
     int32_t n_head_at(int32_t il) const { return n_head_l.empty() ? n_head : n_head_l[size_t(il)]; }
+    bool slides(int32_t il) const { return il >= 0 && size_t(il) < is_swa.size() && is_swa[size_t(il)] != 0; }
+    int32_t head_dim_at(int32_t il) const { return slides(il) ? head_dim_swa : head_dim_k; }
+    int32_t n_head_kv_at(int32_t il) const { return slides(il) ? n_head_kv_swa : n_head_kv; }
+    int32_t n_ff_at(int32_t il) const { return n_ff_l.empty() ? n_ff : n_ff_l[size_t(il)]; }
+    int32_t kv_source(int32_t il) const { return kv_src.empty() ? -1 : kv_src[size_t(il)]; }
     int32_t n_embd_k() const { return head_dim_k * n_head_kv; }
     int32_t n_embd_v() const { return head_dim_v * n_head_kv; }
+    int32_t n_embd_k_swa() const { return head_dim_swa * n_head_kv_swa; }
+    int32_t n_embd_v_swa() const { return head_dim_swa * n_head_kv_swa; }
 };
 
 // One layer's weights; an architecture leaves what it does not use null.
@@ -125,6 +145,17 @@ struct LayerWeights {
     // [dt_rank]; beta and alpha [n_embd, dt_rank]; the gated norm [head dim]; the output [d_inner, n_embd].
     ggml_tensor *wqkv = nullptr, *wqkv_gate = nullptr, *ssm_conv1d = nullptr, *ssm_dt = nullptr, *ssm_a = nullptr,
                 *ssm_beta = nullptr, *ssm_alpha = nullptr, *ssm_norm = nullptr, *ssm_out = nullptr;
+    // RoPE frequency factors [n_rot / 2] (gemma4's global layers: rope_freqs, 1e30 on the dims left unrotated),
+    // handed to ggml_rope_ext by Forward::attention.
+    ggml_tensor *rope_freqs = nullptr;
+    // gemma4: the layer's output times this one value [1] (layer_output_scale); the per-layer embedding's gate
+    // [n_embd, n_embd_per_layer], projection [n_embd_per_layer, n_embd] and norm [n_embd]; the MoE layer's
+    // router input scale [n_embd] (ffn_gate_inp.scale), the experts' pre-norm and the two post-norms
+    // [n_embd] (dense MLP, experts), and each expert's output scale [n_expert] (ffn_down_exps.scale).
+    ggml_tensor *out_scale = nullptr, *per_layer_inp_gate = nullptr, *per_layer_proj = nullptr,
+                *per_layer_post_norm = nullptr;
+    ggml_tensor *ffn_gate_inp_s = nullptr, *ffn_pre_norm_2 = nullptr, *ffn_post_norm_1 = nullptr,
+                *ffn_post_norm_2 = nullptr, *ffn_down_exps_s = nullptr;
 };
 
 // Layers [first, last) computed on the ggml RPC server at endpoint (rpc.h): their weights live there, and a
@@ -191,10 +222,14 @@ public:
     // on the first call and shared after; TokenizerError when the file has none kvflash can use (the
     // next call tries again).  Thread-safe.
     std::shared_ptr<const Tokenizer> tokenizer() const;
-    // Model layer indices whose attention is global (these are paged; not sliding, not recurrent).
+    // Model layer indices whose attention is global (these are paged; not sliding, not recurrent, not reading
+    // another layer's KV).
     std::vector<int32_t> global_layers() const;
 
     ggml_tensor *tok_embd = nullptr, *output_norm = nullptr, *output = nullptr;
+    // gemma4's per-layer embeddings (E2B/E4B): the table [n_embd_per_layer * n_layer, n_vocab], the model's
+    // projection [n_embd, n_embd_per_layer * n_layer] and its norm [n_embd_per_layer]; null otherwise.
+    ggml_tensor *per_layer_tok_embd = nullptr, *per_layer_model_proj = nullptr, *per_layer_proj_norm = nullptr;
     std::vector<LayerWeights> layers;
     // The weights a graph of n tokens multiplies by: for one-token graphs (decode) the copies in ggml's
     // AMX buffer where the load made them (its kernels for one row are the fast ones; for several rows

@@ -229,9 +229,20 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
         throw std::invalid_argument(kv.file + ": expert_count " + std::to_string(n_expert) + " / expert_used_count " +
                                     std::to_string(n_used) + " are not a mixture of experts");
     }
-    // a MoE file may leave the dense width out (its experts have their own)
-    hp.n_ff = hp.n_expert > 0 && !kv.has("feed_forward_length") ? 0
-                                                                  : positive_key(kv, "feed_forward_length", int64_t(1) << 30);
+    // a MoE file may leave the dense width out (its experts have their own); one width, or one per layer (an
+    // array, as llama.cpp reads it: Model::read_header checks what the family takes of it)
+    if (hp.n_expert > 0 && !kv.has("feed_forward_length")) {
+        hp.n_ff = 0;
+    } else {
+        const std::vector<int64_t> ff = kv.get_ints(kv.arch + ".feed_forward_length", size_t(hp.n_layer), true);
+        if (ff.size() != 1 && ff.size() != size_t(hp.n_layer))
+            throw std::invalid_argument(kv.file + ": feed_forward_length has " + std::to_string(ff.size()) +
+                                        " values for " + std::to_string(hp.n_layer) + " layers");
+        for (int64_t f : ff) check_positive(kv.file, "feed_forward_length", f);
+        hp.n_ff = int32_t(ff[0]);
+        hp.n_ff_l.assign(size_t(hp.n_layer), hp.n_ff);
+        if (ff.size() > 1) std::copy(ff.begin(), ff.end(), hp.n_ff_l.begin());
+    }
     // Query heads: one count, or one per layer (an array, as llama.cpp reads it); the first layer's sizes
     // the default head dim, as there.  Model::read_header checks what the family takes of an array.
     const std::vector<int64_t> heads = kv.get_ints(kv.arch + ".attention.head_count", size_t(hp.n_layer), true);
@@ -242,11 +253,22 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     hp.n_head = int32_t(heads[0]);
     hp.n_head_l.assign(size_t(hp.n_layer), hp.n_head);
     if (heads.size() > 1) std::copy(heads.begin(), heads.end(), hp.n_head_l.begin());
-    hp.n_head_kv = positive_key(kv, "attention.head_count_kv", 4096, hp.n_head, false);
-    for (int32_t h : hp.n_head_l)
-        if (h % hp.n_head_kv != 0)
+    // K/V heads: one count (default: the query heads), or one per layer
+    std::vector<int64_t> kvh = kv.get_ints(kv.arch + ".attention.head_count_kv", size_t(hp.n_layer), false);
+    if (kvh.empty()) kvh = {hp.n_head};
+    if (kvh.size() != 1 && kvh.size() != size_t(hp.n_layer))
+        throw std::invalid_argument(kv.file + ": attention.head_count_kv has " + std::to_string(kvh.size()) +
+                                    " values for " + std::to_string(hp.n_layer) + " layers");
+    for (int64_t h : kvh) check_positive(kv.file, "attention.head_count_kv", h, 4096);
+    hp.n_head_kv = int32_t(kvh[0]);
+    hp.n_head_kv_l.assign(size_t(hp.n_layer), hp.n_head_kv);
+    if (kvh.size() > 1) std::copy(kvh.begin(), kvh.end(), hp.n_head_kv_l.begin());
+    for (int32_t il = 0; il < hp.n_layer; ++il) {
+        const int32_t h = hp.n_head_l[size_t(il)], g = hp.n_head_kv_l[size_t(il)];
+        if (h % g != 0)
             throw std::invalid_argument(kv.file + ": head_count " + std::to_string(h) +
-                                        " is not a multiple of head_count_kv " + std::to_string(hp.n_head_kv));
+                                        " is not a multiple of head_count_kv " + std::to_string(g));
+    }
     if (hp.n_embd % hp.n_head != 0 && !kv.has("attention.key_length"))
         throw std::invalid_argument(kv.file + ": embedding_length not divisible by head_count and no key_length");
     hp.head_dim_k = positive_key(kv, "attention.key_length", 1024, hp.n_embd / hp.n_head, false);
@@ -260,6 +282,8 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
                                     " must be even and in [2, head dim " + std::to_string(hp.head_dim_k) + "]");
     hp.n_rot = int32_t(n_rot);
     hp.n_rot_swa = hp.n_rot;
+    hp.head_dim_swa = hp.head_dim_k;
+    hp.n_head_kv_swa = hp.n_head_kv;
     hp.n_ctx_train = kv.a("context_length", 4096, false);
     check_positive(kv.file, "context_length", hp.n_ctx_train, std::numeric_limits<int64_t>::max());
     if (hp.n_ctx_train > kMaxContext) {
@@ -478,6 +502,21 @@ void Model::read_header(const std::string &path) {
         global_heads = h;
     }
     if (global_heads > 0) hp_.n_head = global_heads;
+    // Per-layer K/V heads and FFN widths: only where the family builds them (ArchOps::per_layer_kv: gemma4,
+    // whose read_hparams resolves them into the global and sliding geometries)
+    if (!arch_->per_layer_kv) {
+        for (int32_t il = 0; il < hp_.n_layer; ++il) {
+            if (hp_.n_head_kv_l[size_t(il)] != hp_.n_head_kv)
+                throw std::invalid_argument(path + ": attention.head_count_kv varies by layer (" +
+                                            std::to_string(hp_.n_head_kv) + " at layer 0, " +
+                                            std::to_string(hp_.n_head_kv_l[size_t(il)]) + " at layer " +
+                                            std::to_string(il) + "); " + kv.arch + " takes one count");
+            if (!hp_.n_ff_l.empty() && hp_.n_ff_l[size_t(il)] != hp_.n_ff)
+                throw std::invalid_argument(path + ": feed_forward_length varies by layer (" + std::to_string(hp_.n_ff) +
+                                            " at layer 0, " + std::to_string(hp_.n_ff_l[size_t(il)]) + " at layer " +
+                                            std::to_string(il) + "); " + kv.arch + " takes one width");
+        }
+    }
     if (hp_.rope_ext_factor != 0.f && !arch_->yarn)
         throw std::invalid_argument(path + ": rope scaling 'yarn' is not supported for " + kv.arch + " (none, linear)");
 }
@@ -503,6 +542,7 @@ void Model::read_tensors() {
     output_norm = t.get("output_norm.weight", {E});
     output = t.get("output.weight", {E, V}, false);
     if (!output) output = tok_embd;
+    if (arch_->load_model) arch_->load_model(t, hp, *this);   // the family's model-wide tensors
     layers.resize(hp.n_layer);
     for (int32_t il = 0; il < hp.n_layer; ++il) {
         auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
@@ -767,12 +807,13 @@ std::vector<ggml_backend_buffer_type_t> Model::extra_placement() const {
     for (const LayerWeights &L : layers) {
         for (const ggml_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
                                      L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, L.wqkv, L.wqkv_gate, L.attn_gate,
-                                     L.ssm_beta, L.ssm_alpha, L.ssm_out})
+                                     L.ssm_beta, L.ssm_alpha, L.ssm_out, L.per_layer_inp_gate, L.per_layer_proj})
             if (t) mm.push_back(t);
         for (const ggml_tensor *t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_up_exps, L.ffn_down_exps})
             if (t) experts.push_back(t);
     }
     if (output && output != tok_embd) mm.push_back(output);
+    if (per_layer_model_proj) mm.push_back(per_layer_model_proj);
     ggml_init_params ip{8 * ggml_tensor_overhead(), nullptr, true};
     for (int64_t i = 0; i < n_tensors; ++i) {
         ggml_tensor *w = ggml_get_tensor(meta_, gguf_get_tensor_name(gguf_, i));
@@ -868,7 +909,7 @@ std::pair<size_t, size_t> Model::device_memory() const {
 std::vector<int32_t> Model::global_layers() const {
     std::vector<int32_t> out;
     for (int32_t il = 0; il < hp_.n_layer; ++il)
-        if (!hp_.is_swa[il] && !hp_.is_recr[il]) out.push_back(il);
+        if (!hp_.is_swa[il] && !hp_.is_recr[il] && hp_.kv_source(il) < 0) out.push_back(il);
     return out;
 }
 

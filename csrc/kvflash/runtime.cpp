@@ -66,7 +66,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
         throw std::invalid_argument("attn='pool' is kvflash's CPU attention kernel, which an RPC server cannot run; "
                                     "the model has layers on RPC servers: use attn='auto' or 'ggml' (ggml_flash_attn_ext)");
     if (kvt == GGML_TYPE_F32) throw std::invalid_argument("kv_type f32 is not supported by the attention kernels; use f16, q8_0 or q4_0");
-    if (hp.head_dim_k % ggml_blck_size(kvt) != 0)
+    if (hp.head_dim_k % ggml_blck_size(kvt) != 0 || hp.head_dim_swa % ggml_blck_size(kvt) != 0)
         throw std::invalid_argument(std::string("kv_type ") + cfg_.kv_type + " needs a head dim that is a multiple of " +
                                     std::to_string(ggml_blck_size(kvt)));
     if (cfg_.eval_layers < 0 || cfg_.eval_layers > hp.n_layer)
@@ -111,7 +111,10 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
                                                  hp.ssm_state_floats(), cfg_.recurrent_snapshots);
         memories_.push_back(recr_.get());
     }
-    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size()) - n_recr;
+    // layers that read another's KV (gemma4's shared-KV layers) keep none of their own
+    int32_t n_shared = 0;
+    for (int32_t il = 0; il < n_eval_layers_; ++il) n_shared += hp.kv_source(il) >= 0;
+    const int32_t n_swa_layers = n_eval_layers_ - int32_t(specs.size()) - n_recr - n_shared;
     if (n_swa_layers > 0) {
         // Sliding-window layers keep a ring of their window plus one piece of new keys, on the
         // model's backend like the pool (a remote layer's ring on its server).  A piece never exceeds
@@ -122,11 +125,11 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
                                                                   (cfg_.max_ctx + 255) / 256 * 256)));
         std::vector<ggml_backend_buffer_type_t> ring_bufts;
         for (int32_t il = 0; il < n_eval_layers_; ++il) {
-            if (paged_index_[il] >= 0 || recr_index_[il] >= 0) continue;
+            if (paged_index_[il] >= 0 || recr_index_[il] >= 0 || hp.kv_source(il) >= 0) continue;
             paged_index_[il] = -2 - int32_t(ring_bufts.size());  // -2 - ring index
             ring_bufts.push_back(model_->layer_buft(il));
         }
-        ring_ = std::make_unique<SlidingRing>(backend_, R, hp.n_swa, kvt, hp.n_embd_k(), hp.n_embd_v(),
+        ring_ = std::make_unique<SlidingRing>(backend_, R, hp.n_swa, kvt, hp.n_embd_k_swa(), hp.n_embd_v_swa(),
                                               ring_bufts);
         memories_.push_back(ring_.get());
     }
@@ -158,8 +161,12 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     // mixture adds a sum node per chosen expert; 96 for the rest of a layer (gpt-oss's, the largest:
     // about 60 with its biases, sinks and gating)
     const size_t one_row_nodes = g.one_row ? size_t(2 * one_row_products_nodes(n, false)) : 0;
-    const size_t per_layer = 96 + 2 * size_t(hp.n_expert_used) + (hp.n_expert > 0 ? 12 : 7) * one_row_nodes;
-    const size_t max_nodes = per_layer * size_t(hp.n_layer) + 256 + one_row_nodes;
+    // (gemma4: up to 14 products a layer, its per-layer embedding's two and a dense MLP beside the experts,
+    // and more nodes: ArchOps::extra_nodes)
+    const size_t n_products = (hp.n_expert > 0 ? 12 : 7) + (hp.n_embd_per_layer > 0 ? 2 : 0);
+    const size_t per_layer = 96 + size_t(model_->arch().extra_nodes) + 2 * size_t(hp.n_expert_used) +
+                             n_products * one_row_nodes;
+    const size_t max_nodes = per_layer * size_t(hp.n_layer) + 256 + 2 * one_row_nodes;
     g.meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
     ggml_init_params ip{g.meta.size(), g.meta.data(), true};
     g.ctx = ggml_init(ip);
@@ -189,16 +196,16 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
         ggml_set_input(g.swa_mask);
     }
     // Ranges that do not follow the extent (split_for): a decode step and a verification batch agree.
-    auto params = [&](int64_t n_kv) {
+    auto params = [&](int64_t n_kv, int32_t n_head_kv) {
         const SplitK sk = split_for(n_kv);
         PoolAttnParams p;
-        p.n_head_kv = hp.n_head_kv;
+        p.n_head_kv = n_head_kv;
         p.n_split = sk.n_split;
         p.range = sk.range;
         return p;   // the scale is the family's, set by Forward::attention
     };
-    g.attn = params(n_kv_pool);
-    g.attn_swa = params(ring_ ? ring_->tokens() : 0);
+    g.attn = params(n_kv_pool, hp.n_head_kv);
+    g.attn_swa = params(ring_ ? ring_->tokens() : 0, hp.n_head_kv_swa);
     // quant_dots stays off: the query keeps its f32 values (the tiled kernel widens q8_0 / q4_0 keys to
     // f32 instead).  Rounding the query per block as ggml does moved SmolLM2's attention outputs by 1-2%
     // per layer (issue 21's note).
@@ -233,6 +240,12 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
             LayerCache c;
             c.conv = recr_->conv(recr_index_[il]);
             c.ssm = recr_->ssm(recr_index_[il]);
+            f.caches.push_back(c);
+        } else if (hp.kv_source(il) >= 0) {
+            // a shared-KV layer: its source's cache (rows, mask, kernel parameters); nothing of its own is
+            // written or paged, and its queries are not captured
+            LayerCache c = f.caches[size_t(hp.kv_source(il))];
+            c.paged = false;
             f.caches.push_back(c);
         } else f.caches.push_back({ring_->k(-2 - pi), ring_->v(-2 - pi), g.swa_slots, g.swa_mask, ring_->tokens(),
                                  &g.attn_swa, false});
