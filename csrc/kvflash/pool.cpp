@@ -148,21 +148,49 @@ namespace {
 // fence() (ggml_backend_synchronize) completes them: every page-out's host bytes are then whole, and no
 // page-in still reads its source.  The runtime fences after each graph and before any host read
 // (Runtime::sync_for_host_read); the pager before it hands host memory back.
+//
+// Each page event ends with an event recorded on the backend, which hands its copies to the queue at once
+// instead of leaving them in a command buffer still being recorded.  ggml-vulkan records async copies into
+// an open command buffer and submits it only when something asks (a graph, an event, a synchronize), and a
+// synchronous transfer made meanwhile (the runtime writes its graph inputs with ggml_backend_tensor_set)
+// may reset the compute queue's command pool once enough buffers are in use
+// (ggml_vk_queue_command_pools_cleanup), open buffer included.  A device without events synchronizes
+// instead (correct, with a host wait).
 class BackendMover final : public ChunkMover {
 public:
-    explicit BackendMover(KVPool &pool) : pool_(pool) {}
-    ~BackendMover() override { ggml_backend_synchronize(pool_.backend()); }
+    explicit BackendMover(KVPool &pool) : pool_(pool) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(pool_.backend());
+        if (dev) {
+            ggml_backend_dev_props props;
+            ggml_backend_dev_get_props(dev, &props);
+            if (props.caps.events) submitted_ = ggml_backend_event_new(dev);
+        }
+    }
+    ~BackendMover() override {
+        fence();
+        if (submitted_) ggml_backend_event_free(submitted_);
+    }
     size_t chunk_bytes() const override { return pool_.chunk_bytes(); }
     void page_out(int32_t block, uint8_t *dst) override {
         pool_.copy_out(block, dst, pool_.backend());
+        submit();
     }
     void page_in(int32_t block, const uint8_t *src) override {
         pool_.copy_in(block, src, pool_.backend());
+        submit();
     }
-    void fence() override { ggml_backend_synchronize(pool_.backend()); }
+    void fence() override {
+        if (submitted_) ggml_backend_event_synchronize(submitted_);  // also recycles the driver's events
+        ggml_backend_synchronize(pool_.backend());
+    }
 
 private:
+    void submit() {
+        if (submitted_) ggml_backend_event_record(submitted_, pool_.backend());
+        else ggml_backend_synchronize(pool_.backend());
+    }
     KVPool &pool_;
+    ggml_backend_event_t submitted_ = nullptr;
 };
 
 // The host store in the device's host buffer type (pinned memory, so the async copies are real DMA, not
