@@ -1,28 +1,37 @@
-"""A heap corruption on the Vulkan device path (found 2026-12-05 on lavapipe, Mesa 22.3.6; not yet fixed).
+"""A crash on the Vulkan device path (found 2026-12-05 on lavapipe, Mesa 22.3.6; not yet fixed).
 
 One pooled session on a Vulkan device: a prompt that does not yet evict (1900 or 2048 tokens into a
 2048-token pool), a few greedy decode steps (one-token graphs), then more prompt (chunk-sized pieces that
 evict) -> glibc aborts ("malloc(): unaligned tcache chunk detected") or a segfault inside libvulkan_lvp.so
-during a graph compute.  What does not crash: a prompt that already evicted before the decode steps (2100
-tokens), prefilling past the pool with no decode steps in between (one or two sessions), the host store in
-RAM or in a file alike (so not the pinned buffers), the same sequence on the CPU backend, and the whole
-sequence under glibc's debugging allocator (LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3).
-The suspect (not proven): ggml-vulkan grows a context's scratch buffers inside a graph when one needs more
-than any graph before it -- flash attention's split-k temporaries (ggml-vulkan.cpp: prealloc_size_split_k,
-ggml_vk_preallocate_buffers destroys the old buffer and creates a bigger one) depend on the query count, a
-one-token decode graph sizes them first, and the chunk-sized pieces after it need more: the same class as
-the crash the runtimes' reserved compute buffers avoided (ARCHITECTURE.md), which happened only when such a
-buffer grew after another had been freed.  Seen with ggml-vulkan's memory log (a build with
--Ccmake.define.GGML_VULKAN_MEMORY_DEBUG=ON, run with GGML_VK_MEMORY_LOGGER=1): the decode steps allocate the
-split-k temporary at 16896 bytes; the first piece after them regrows it to 67584 (the old buffer destroyed, a new
-one made); then the host store's first pinned buffer is allocated (the first page-out) and the process dies in
-the next compute.  prealloc_x also regrows (384 -> 512 KiB) during the first prompt without a crash, so regrowth
-alone is not the whole story.  The test that points at it: the same sequence with a 64-token piece evaluated
-before the decode steps (the split-k temporary sized 67584 at once, never regrown) runs to the end with its
-page-outs; with a 2-token piece there instead (16896 -> 59136 -> 67584) it crashes.  So the fix to try: on a GPU
-runtime, have ggml-vulkan size that temporary to its largest before any graph needs less -- e.g. a warm-up of
-flash attention alone over the pool's extent at the query counts that need the most (chunk-sized pieces) when
-the runtime is made -- and confirm with this script and ASan.
+during a graph compute.  Decode steps are not needed: 1900 tokens and then 512 more in a second call crash
+too.  Fine: the same sequences on the CPU backend, and under glibc's debugging allocator
+(LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3).
+What is known (2026-12-05, two sessions; still not fixed):
+- The fault is inside lavapipe, on its queue thread, while it executes a submitted command buffer: an
+  indirect call through a NULL table (`call *0xe8(%rax)`, rax = 0) in a loop that drops reference counts
+  (`lock subl $1`) -- the shape of releasing a gallium resource whose memory was already freed.  The main
+  thread is waiting in ggml_backend_graph_compute.  Other runs abort in glibc ("malloc(): unaligned tcache
+  chunk detected"): the same freed memory reused.
+- Every crash so far comes after ggml-vulkan destroyed and regrew its flash-attention split-k temporary
+  during a graph (ggml_vk_preallocate_buffers) and then the first pinned host buffer was allocated (the
+  host store's first region, at the first page-out).  Not every such sequence crashes.
+- Not the KV type (f16, q8_0 and q4_0 all crash on some sequence), not the host store (RAM or file), not
+  descriptor reuse (GGML_VK_DISABLE_DESCRIPTOR_REUSE=1 still crashes), not host-visible device memory
+  (GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM=1 still crashes), not the page-out copies left in an open command
+  buffer (the pool's mover now records an event after every page event, which submits them; still
+  crashes).  The earlier idea -- size the split-k temporary before any graph needs less -- does not hold:
+  a 64-token piece first, or a 2100-token prefill first (the pool's whole extent), then truncate(0),
+  still crash on other sequences.
+- Khronos' validation layer (core, synchronization and GPU-assisted validation; Debian 12's
+  vulkan-validationlayers 1.3.239) reports no misuse by the application: no destroyed-while-in-use buffer,
+  no out-of-bounds shader access; only write-after-read hazards between ggml's own dispatches.  Under
+  GPU-assisted validation the sequence runs to the end.  Electric Fence (guard pages on every malloc, freed
+  memory protected) finds no overrun in the process's heap before the same fault.  Valgrind cannot run it
+  (ggml's AVX-512 code).
+So the evidence points at lavapipe (Mesa 22.3.6's llvmpipe keeping a freed resource bound across command
+buffers) rather than at kvflash's use of ggml, but it is not proven: there are no debug symbols for Mesa
+here to name the function.  Smaller sequences to try (exp-style): prompt 1900 into a 2048 pool, then 468
+tokens in one call (5 page-outs, fine), then 1 token -> crash; 2 tokens or 64 there -> fine.
 
     GGML_VK_VISIBLE_DEVICES=0 python bench/device/vk_heap_repro.py MODEL.gguf   # any small llama GGUF
 
