@@ -327,3 +327,27 @@ def test_other_families_refuse_per_layer_kv_heads(tmp_path):
     bad = write_tiny_gptoss(tmp_path / "c.gguf", seed=1, extra={"gpt-oss.feed_forward_length": [32, 64, 32, 32]})
     with pytest.raises(ValueError, match="feed_forward_length varies by layer"):
         core.Model(bad["path"], n_threads=1)
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def test_gemma4_chat_templates_render(tmp_path):
+    """Gemma 4's templates (the sdist's google-gemma-4-31B-it and its interleaved variant) render in kvflash's
+    sandbox; a chat session runs from a file carrying one."""
+    from kvflash import _registry
+    from kvflash.chat_template import ChatTemplates
+    d = _registry.vocab_dir() / "templates"
+    tpls = {p.name: p.read_text() for p in sorted(d.glob("google-gemma-4-*.jinja"))}
+    assert len(tpls) == 2, sorted(tpls)
+    want = ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi there<turn|>\n<|turn>model\nHello!<turn|>\n"
+            "<|turn>user\nWhat is 2+2?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+    for name, src in tpls.items():
+        assert ChatTemplates().render(src, CHAT, True, {"bos_token": "<bos>"}) == want, name
+    info = write_tiny_gemma4(tmp_path / "c.gguf", seed=1,
+                             extra={"tokenizer.chat_template": tpls["google-gemma-4-31B-it.jinja"]})
+    s = familyutil.session(info["path"])
+    enc = s.tokenizer.encode_chat(CHAT)
+    out = "".join(s.chat(CHAT, max_tokens=4, ignore_eos=True))
+    assert isinstance(out, str) and len(s.tokens) == len(enc) + 4

@@ -66,6 +66,25 @@ def test_ordinary_templates_still_render():
     assert out.endswith("<|assistant|>") and out.count("<|user|>") == 2000 and "x        1ababab1024" in out
 
 
+def test_generation_blocks_render_their_body():
+    """transformers' {% generation %} block (poolside's Laguna templates) renders its body in the enclosing
+    scope, as llama.cpp's template engine treats it; a hostile body inside it is bounded like any other;
+    an unclosed block is a template syntax error, not a crash."""
+    import jinja2
+    from jinja2.exceptions import SecurityError
+    from kvflash.chat_template import ChatTemplates
+    ct = ChatTemplates()
+    src = ("{% for m in messages %}{%- if m.role == 'assistant' -%}{%- generation -%}<a>{{ m.content }}</a>"
+           "{%- endgeneration -%}{%- else -%}<u>{{ m.content }}</u>{%- endif -%}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ct.render(src, msgs, False, {}) == "<u>hi</u><a>yo</a>"
+    assert ct.render("{% generation %}{% set x = 3 %}{% endgeneration %}{{ x }}", msgs, False, {}) == "3"
+    with pytest.raises(SecurityError):
+        ct.render("{% generation %}{{ 'x' * 10**10 }}{% endgeneration %}", msgs, False, {})
+    with pytest.raises(jinja2.exceptions.TemplateSyntaxError):
+        ct.render("{% generation %}unclosed", msgs, False, {})
+
+
 def test_step_budget_restores_the_previous_tracer():
     from kvflash.chat_template import ChatTemplates
     seen = []

@@ -278,3 +278,35 @@ def test_tokenizer_laguna_pre(tmp_path):
     assert twelve not in tl.encode("x 123", add_special=False)
     text = "Hello there, the answer's 12345!\n\nnext line"
     assert tl.decode(tl.encode(text, add_special=False)) == text
+
+
+def _laguna_templates():
+    from kvflash import _registry
+    return {p.name: p.read_text() for p in sorted((_registry.vocab_dir() / "templates").glob("poolside-Laguna-*.jinja"))}
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def test_laguna_chat_templates_render(tmp_path):
+    """poolside's templates (the sdist's three) wrap an assistant turn in transformers' {% generation %} block,
+    which kvflash's sandbox renders as its body, as llama.cpp's template engine does; a chat session runs from
+    a file carrying one."""
+    from kvflash.chat_template import ChatTemplates
+    tpls = _laguna_templates()
+    assert len(tpls) == 3, sorted(tpls)
+    ct = ChatTemplates()
+    for name, src in tpls.items():
+        out = ct.render(src, CHAT, True, {})
+        assert out.startswith("〈|EOS|〉<system>") and "Be brief." in out and "Hello!" in out, (name, out)
+        assert out.index("Hi there") < out.index("Hello!") < out.index("What is 2+2?"), (name, out)
+    assert ct.render(tpls["poolside-Laguna-XS.2.jinja"], CHAT, True, {}) == (
+        "〈|EOS|〉<system>\n\nBe brief.\n</system>\n<user>\nHi there\n</user>\n<assistant>\n</think>\nHello!\n"
+        "</assistant>\n<user>\nWhat is 2+2?\n</user>\n<assistant>\n</think>")
+    info = write_tiny_laguna(tmp_path / "c.gguf", seed=2,
+                             extra={"tokenizer.chat_template": tpls["poolside-Laguna-XS.2.jinja"]})
+    s = _session(info["path"])
+    enc = s.tokenizer.encode_chat(CHAT)
+    out = "".join(s.chat(CHAT, max_tokens=4, ignore_eos=True))
+    assert isinstance(out, str) and len(s.tokens) == len(enc) + 4

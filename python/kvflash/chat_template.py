@@ -107,6 +107,7 @@ def _check_args(args, kwargs) -> None:
 
 def _make_jinja_env():
     import jinja2
+    import jinja2.ext
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -148,7 +149,17 @@ def _make_jinja_env():
                 _check_format(getattr(value, "__self__", None))
             return super().wrap_str_format(value)
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class GenerationBlock(jinja2.ext.Extension):
+        # transformers' {% generation %} ... {% endgeneration %} marks the assistant's tokens for training
+        # masks (Laguna's templates use it); for a prompt it renders its body unchanged, in the enclosing
+        # scope, as llama.cpp's template engine treats it.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock])
 
     def bounded(f, check_format=False):
         def g(value, *args, **kwargs):
