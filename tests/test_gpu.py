@@ -29,6 +29,7 @@ line per comparison (``DEVICE-PARITY ...``), which check.sh and the CI log keep.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -266,6 +267,53 @@ def test_truncate_and_reset_with_host_chunks(models):
         report(f"truncate-reset step{k}", err, NMSE_TOL["q8_0"])
         assert err < NMSE_TOL["q8_0"]
         assert int(a.argmax()) == int(b.argmax())
+
+
+def _old_lavapipe() -> str | None:
+    """The device's description when it is Debian 12's lavapipe (Mesa 22.3.6, built on LLVM 15: the LLVM
+    major in the description is the proxy), which crashes on the sequences below; else None."""
+    if not DEVICE.startswith("vulkan"):
+        return None
+    for d in core.build_info()["devices"]:
+        m = re.match(r"llvmpipe \(LLVM (\d+)", d.get("description", ""))
+        if m and int(m.group(1)) <= 15:
+            return d["description"]
+    return None
+
+
+OLD_LAVAPIPE = _old_lavapipe()
+
+
+@pytest.mark.skipif(OLD_LAVAPIPE is not None,
+                    reason=f"Debian 12's lavapipe ({OLD_LAVAPIPE}) crashes in its queue thread on these sequences "
+                           "(bench/device/vk_heap_repro.py); Mesa 25's lavapipe runs them "
+                           "(bench/device/mesa25-lavapipe.sh)")
+@pytest.mark.parametrize("first,steps,more", [(1900, 4, [512]), (1900, 0, [468, 1])])
+def test_a_session_that_starts_evicting_late(tmp_path, first, steps, more):
+    """A pool that fills before it evicts: a prompt that fits, decode steps or none, then more prompt that
+    pages out (one call or two). ggml-vulkan regrows its flash-attention scratch buffer mid-graph on the way
+    (the sequence that kills Debian 12's lavapipe); the device's last logits follow the CPU's."""
+    path = tmp_path / "late.gguf"
+    write_tiny_model(path, "llama", n_layer=2, n_embd=128, n_head=2, n_head_kv=1, head_dim=64, n_ff=256,
+                     n_vocab=1024, ctx_len=8192, seed=39, weight_type="f32")
+    t = toks(first + steps + sum(more), 5, 1024)
+    outs, page_outs = [], []
+    for dev in (DEVICE, "cpu"):
+        rt = core.Runtime(core.Model(str(path), 1, device=dev), max_ctx=4096, pool_tokens=2048, kv_type="q8_0")
+        rt.eval(t[:first], False)
+        at = first
+        for _ in range(steps):
+            rt.eval(t[at:at + 1], False)
+            at += 1
+        for n in more:
+            last = rt.eval(t[at:at + n], False)
+            at += n
+        outs.append(last)
+        page_outs.append(rt.pager.stats["page_outs"])
+    assert page_outs[0] == page_outs[1] > 0, page_outs
+    err = nmse(outs[0], outs[1])
+    report(f"late-eviction {first}+{steps}+{more}", err, NMSE_TOL["q8_0"])
+    assert err < NMSE_TOL["q8_0"]
 
 
 # ----------------------------------------------------------------------------- paging through the device

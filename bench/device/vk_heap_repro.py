@@ -1,4 +1,4 @@
-"""A crash on the Vulkan device path (found 2026-12-05 on lavapipe, Mesa 22.3.6; not yet fixed).
+"""A crash of Debian 12's lavapipe (Mesa 22.3.6) on kvflash's device path; Mesa 25's lavapipe runs it clean.
 
 One pooled session on a Vulkan device: a prompt that does not yet evict (1900 or 2048 tokens into a
 2048-token pool), a few greedy decode steps (one-token graphs), then more prompt (chunk-sized pieces that
@@ -6,7 +6,7 @@ evict) -> glibc aborts ("malloc(): unaligned tcache chunk detected") or a segfau
 during a graph compute.  Decode steps are not needed: 1900 tokens and then 512 more in a second call crash
 too.  Fine: the same sequences on the CPU backend, and under glibc's debugging allocator
 (LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3).
-What is known (2026-12-05, two sessions; still not fixed):
+What is known (2026-12-05, two sessions):
 - The fault is inside lavapipe, on its queue thread, while it executes a submitted command buffer: an
   indirect call through a NULL table (`call *0xe8(%rax)`, rax = 0) in a loop that drops reference counts
   (`lock subl $1`) -- the shape of releasing a gallium resource whose memory was already freed.  The main
@@ -28,9 +28,12 @@ What is known (2026-12-05, two sessions; still not fixed):
   GPU-assisted validation the sequence runs to the end.  Electric Fence (guard pages on every malloc, freed
   memory protected) finds no overrun in the process's heap before the same fault.  Valgrind cannot run it
   (ggml's AVX-512 code).
-So the evidence points at lavapipe (Mesa 22.3.6's llvmpipe keeping a freed resource bound across command
-buffers) rather than at kvflash's use of ggml, but it is not proven: there are no debug symbols for Mesa
-here to name the function.  Smaller sequences to try (exp-style): prompt 1900 into a 2048 pool, then 468
+- The deciding run: Debian 13's lavapipe (Mesa 25.0.7, LLVM 19; bench/device/mesa25-lavapipe.sh runs it on
+  this Debian 12 box under trixie's glibc) runs this script and every crashing variant found (f16, q8_0 and
+  q4_0; one call or two; with or without decode steps) to the end, with the same kvflash and ggml binaries.
+So it is a bug of Debian 12's lavapipe (Mesa 22.3.6), fixed by Mesa 25; there are no debug symbols for Mesa
+here to name the function.  tests/test_gpu.py::test_a_session_that_starts_evicting_late runs two of these
+sequences against the CPU's logits, skipped on lavapipe built on LLVM <= 15 (Debian 12's).  Smaller sequences to try (exp-style): prompt 1900 into a 2048 pool, then 468
 tokens in one call (5 page-outs, fine), then 1 token -> crash; 2 tokens or 64 there -> fine.
 
     GGML_VK_VISIBLE_DEVICES=0 python bench/device/vk_heap_repro.py MODEL.gguf   # any small llama GGUF
