@@ -194,6 +194,21 @@ int32_t positive_key(const GGUFKeys &kv, const char *suffix, int64_t limit, int6
     return int32_t(v);
 }
 
+// A count for every layer: one value, or one per layer (an array, as llama.cpp reads it), each in (0, limit];
+// n_layer values.  Not required: def when absent (or an empty array).
+std::vector<int32_t> per_layer_key(const GGUFKeys &kv, const char *suffix, int32_t n_layer, int64_t limit,
+                                   int64_t def = 0, bool required = true) {
+    std::vector<int64_t> v = kv.get_ints(kv.arch + "." + suffix, size_t(n_layer), required);
+    if (v.empty() && !required) v = {def};
+    if (v.size() != 1 && v.size() != size_t(n_layer))
+        throw std::invalid_argument(kv.file + ": " + suffix + " has " + std::to_string(v.size()) + " values for " +
+                                    std::to_string(n_layer) + " layers");
+    for (int64_t x : v) check_positive(kv.file, suffix, x, limit);
+    std::vector<int32_t> out(static_cast<size_t>(n_layer), static_cast<int32_t>(v[0]));
+    if (v.size() > 1) std::copy(v.begin(), v.end(), out.begin());
+    return out;
+}
+
 // A float key that must be finite (and > 0 when positive is set).
 float finite_key(const GGUFKeys &kv, const char *suffix, double def, bool positive) {
     const double v = kv.f(suffix, def);
@@ -234,35 +249,16 @@ Hparams read_common_hparams(const GGUFKeys &kv) {
     if (hp.n_expert > 0 && !kv.has("feed_forward_length")) {
         hp.n_ff = 0;
     } else {
-        const std::vector<int64_t> ff = kv.get_ints(kv.arch + ".feed_forward_length", size_t(hp.n_layer), true);
-        if (ff.size() != 1 && ff.size() != size_t(hp.n_layer))
-            throw std::invalid_argument(kv.file + ": feed_forward_length has " + std::to_string(ff.size()) +
-                                        " values for " + std::to_string(hp.n_layer) + " layers");
-        for (int64_t f : ff) check_positive(kv.file, "feed_forward_length", f);
-        hp.n_ff = int32_t(ff[0]);
-        hp.n_ff_l.assign(size_t(hp.n_layer), hp.n_ff);
-        if (ff.size() > 1) std::copy(ff.begin(), ff.end(), hp.n_ff_l.begin());
+        hp.n_ff_l = per_layer_key(kv, "feed_forward_length", hp.n_layer, int64_t(1) << 30);
+        hp.n_ff = hp.n_ff_l[0];
     }
     // Query heads: one count, or one per layer (an array, as llama.cpp reads it); the first layer's sizes
     // the default head dim, as there.  Model::read_header checks what the family takes of an array.
-    const std::vector<int64_t> heads = kv.get_ints(kv.arch + ".attention.head_count", size_t(hp.n_layer), true);
-    if (heads.size() != 1 && heads.size() != size_t(hp.n_layer))
-        throw std::invalid_argument(kv.file + ": attention.head_count has " + std::to_string(heads.size()) +
-                                    " values for " + std::to_string(hp.n_layer) + " layers");
-    for (int64_t h : heads) check_positive(kv.file, "attention.head_count", h, 4096);
-    hp.n_head = int32_t(heads[0]);
-    hp.n_head_l.assign(size_t(hp.n_layer), hp.n_head);
-    if (heads.size() > 1) std::copy(heads.begin(), heads.end(), hp.n_head_l.begin());
+    hp.n_head_l = per_layer_key(kv, "attention.head_count", hp.n_layer, 4096);
+    hp.n_head = hp.n_head_l[0];
     // K/V heads: one count (default: the query heads), or one per layer
-    std::vector<int64_t> kvh = kv.get_ints(kv.arch + ".attention.head_count_kv", size_t(hp.n_layer), false);
-    if (kvh.empty()) kvh = {hp.n_head};
-    if (kvh.size() != 1 && kvh.size() != size_t(hp.n_layer))
-        throw std::invalid_argument(kv.file + ": attention.head_count_kv has " + std::to_string(kvh.size()) +
-                                    " values for " + std::to_string(hp.n_layer) + " layers");
-    for (int64_t h : kvh) check_positive(kv.file, "attention.head_count_kv", h, 4096);
-    hp.n_head_kv = int32_t(kvh[0]);
-    hp.n_head_kv_l.assign(size_t(hp.n_layer), hp.n_head_kv);
-    if (kvh.size() > 1) std::copy(kvh.begin(), kvh.end(), hp.n_head_kv_l.begin());
+    hp.n_head_kv_l = per_layer_key(kv, "attention.head_count_kv", hp.n_layer, 4096, hp.n_head, false);
+    hp.n_head_kv = hp.n_head_kv_l[0];
     for (int32_t il = 0; il < hp.n_layer; ++il) {
         const int32_t h = hp.n_head_l[size_t(il)], g = hp.n_head_kv_l[size_t(il)];
         if (h % g != 0)
