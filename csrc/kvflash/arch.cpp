@@ -238,6 +238,15 @@ int32_t expert_width(const GGUFKeys &kv, int64_t fallback) {
     return int32_t(f);
 }
 
+ggml_tensor *f32_tensor(const TensorLoader &t, const std::string &name, const std::vector<int64_t> &shape,
+                        bool required, const char *what) {
+    ggml_tensor *x = t.get(name, shape, required);
+    if (x && x->type != GGML_TYPE_F32)
+        throw std::invalid_argument(t.file + ": tensor '" + name + "' has type " + ggml_type_name(x->type) + "; " +
+                                    what + " must be F32: re-convert the model");
+    return x;
+}
+
 void load_ffn(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
     if (hp.n_expert > 0) return load_moe(t, hp, il, L);
     const int64_t E = hp.n_embd;

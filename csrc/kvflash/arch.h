@@ -163,6 +163,11 @@ void read_swa_pattern(const GGUFKeys &kv, Hparams &hp, int64_t default_period, b
 void refuse_experts(const GGUFKeys &kv, const Hparams &hp);
 // A routed-expert width read from <arch>.expert_feed_forward_length, else fallback; checked > 0.
 int32_t expert_width(const GGUFKeys &kv, int64_t fallback);
+// A weight of the given shape that must be F32 (biases and scales the graph adds or multiplies into f32
+// activations): TensorLoader::get, then std::invalid_argument ("<what> must be F32") for another type;
+// nullptr when absent and not required.
+ggml_tensor *f32_tensor(const TensorLoader &t, const std::string &name, const std::vector<int64_t> &shape,
+                        bool required = true, const char *what = "it");
 
 // The family registered under a general.architecture value, or nullptr.
 const ArchOps *find_arch(const std::string &name);

@@ -131,15 +131,6 @@ void load_model(const TensorLoader &t, const Hparams &hp, Model &m) {
     m.per_layer_proj_norm = t.get("per_layer_proj_norm.weight", {P});
 }
 
-// An F32 tensor of the given shape (scales are multiplied into f32 activations).
-ggml_tensor *f32(const TensorLoader &t, const std::string &name, const std::vector<int64_t> &shape, bool required) {
-    ggml_tensor *x = t.get(name, shape, required);
-    if (x && x->type != GGML_TYPE_F32)
-        throw std::invalid_argument(t.file + ": tensor '" + name + "' has type " + ggml_type_name(x->type) +
-                                    "; it must be F32: re-convert the model");
-    return x;
-}
-
 void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
     auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
     const int64_t E = hp.n_embd, D = hp.head_dim_at(il), H = hp.n_head_at(il), Hkv = hp.n_head_kv_at(il);
@@ -163,8 +154,8 @@ void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeigh
     L.q_norm = t.get(w("attn_q_norm"), {D});
     L.k_norm = t.get(w("attn_k_norm"), {D}, own_kv);
     L.attn_post_norm = t.get(w("post_attention_norm"), {E});
-    L.out_scale = f32(t, w("layer_output_scale"), {1}, false);
-    if (!hp.is_swa[size_t(il)]) L.rope_freqs = f32(t, "rope_freqs.weight", {hp.head_dim_k / 2}, true);
+    L.out_scale = f32_tensor(t, w("layer_output_scale"), {1}, false);
+    if (!hp.is_swa[size_t(il)]) L.rope_freqs = f32_tensor(t, "rope_freqs.weight", {hp.head_dim_k / 2}, true);
     const int64_t F = hp.n_ff_at(il);
     L.ffn_norm = t.get(w("ffn_norm"), {E});
     L.ffn_gate = t.get(w("ffn_gate"), {E, F});
@@ -174,7 +165,7 @@ void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeigh
     if (hp.n_expert > 0) L.ffn_gate_inp = t.get(w("ffn_gate_inp"), {E, hp.n_expert}, false);   // a MoE layer
     if (L.ffn_gate_inp) {
         const int64_t X = hp.n_expert, FE = hp.n_ff_exp;
-        L.ffn_gate_inp_s = f32(t, "blk." + std::to_string(il) + ".ffn_gate_inp.scale", {E}, true);
+        L.ffn_gate_inp_s = f32_tensor(t, "blk." + std::to_string(il) + ".ffn_gate_inp.scale", {E}, true);
         L.ffn_pre_norm_2 = t.get(w("pre_ffw_norm_2"), {E});
         L.ffn_post_norm_1 = t.get(w("post_ffw_norm_1"), {E});
         L.ffn_post_norm_2 = t.get(w("post_ffw_norm_2"), {E});
@@ -184,7 +175,7 @@ void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeigh
             L.ffn_up_exps = t.get(w("ffn_up_exps"), {E, FE, X});
         }
         L.ffn_down_exps = t.get(w("ffn_down_exps"), {FE, E, X});
-        L.ffn_down_exps_s = f32(t, "blk." + std::to_string(il) + ".ffn_down_exps.scale", {X}, false);
+        L.ffn_down_exps_s = f32_tensor(t, "blk." + std::to_string(il) + ".ffn_down_exps.scale", {X}, false);
     }
     if (hp.n_embd_per_layer > 0) {
         const int64_t P = hp.n_embd_per_layer;

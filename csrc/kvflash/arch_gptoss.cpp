@@ -45,39 +45,33 @@ void read_gptoss(const GGUFKeys &kv, Hparams &hp) {
     hp.attn_scale = 1.0f / std::sqrt(float(hp.n_rot));
 }
 
-// An F32 tensor (biases: ggml_add_id and the bias adds take F32).
-ggml_tensor *f32(const TensorLoader &t, const std::string &name, const std::vector<int64_t> &shape, bool required = true) {
-    ggml_tensor *x = t.get(name, shape, required);
-    if (x && x->type != GGML_TYPE_F32)
-        throw std::invalid_argument(t.file + ": tensor '" + name + "' has type " + ggml_type_name(x->type) +
-                                    "; biases must be F32: re-convert the model");
-    return x;
-}
-
 void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
     auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
-    auto b = [&](const char *s) { return TensorLoader::bias(il, s); };
+    // the biases, F32 (ggml_add_id and the bias adds take F32)
+    auto b = [&](const char *s, const std::vector<int64_t> &shape, bool required = true) {
+        return f32_tensor(t, TensorLoader::bias(il, s), shape, required, "biases");
+    };
     const int64_t E = hp.n_embd, D = hp.head_dim_k, H = hp.n_head, X = hp.n_expert, F = hp.n_ff_exp;
     L.attn_norm = t.get(w("attn_norm"), {E});
     L.wq = t.get(w("attn_q"), {E, D * H});
     L.wk = t.get(w("attn_k"), {E, hp.n_embd_k()});
     L.wv = t.get(w("attn_v"), {E, hp.n_embd_v()});
     // llama.cpp takes each of the q/k/v biases where the file has it
-    L.bq = f32(t, b("attn_q"), {D * H}, false);
-    L.bk = f32(t, b("attn_k"), {hp.n_embd_k()}, false);
-    L.bv = f32(t, b("attn_v"), {hp.n_embd_v()}, false);
+    L.bq = b("attn_q", {D * H}, false);
+    L.bk = b("attn_k", {hp.n_embd_k()}, false);
+    L.bv = b("attn_v", {hp.n_embd_v()}, false);
     L.wo = t.get(w("attn_output"), {D * H, E});
-    L.bo = f32(t, b("attn_output"), {E});
-    L.attn_sinks = f32(t, w("attn_sinks"), {H});
+    L.bo = b("attn_output", {E});
+    L.attn_sinks = f32_tensor(t, w("attn_sinks"), {H}, true, "biases");
     L.ffn_norm = t.get(w("post_attention_norm"), {E});   // the feed-forward's pre-norm
     L.ffn_gate_inp = t.get(w("ffn_gate_inp"), {E, X});
-    L.ffn_gate_inp_b = f32(t, b("ffn_gate_inp"), {X});
+    L.ffn_gate_inp_b = b("ffn_gate_inp", {X});
     L.ffn_gate_exps = t.get(w("ffn_gate_exps"), {E, F, X});
     L.ffn_up_exps = t.get(w("ffn_up_exps"), {E, F, X});
     L.ffn_down_exps = t.get(w("ffn_down_exps"), {F, E, X});
-    L.ffn_gate_exps_b = f32(t, b("ffn_gate_exps"), {F, X});
-    L.ffn_up_exps_b = f32(t, b("ffn_up_exps"), {F, X});
-    L.ffn_down_exps_b = f32(t, b("ffn_down_exps"), {E, X});
+    L.ffn_gate_exps_b = b("ffn_gate_exps", {F, X});
+    L.ffn_up_exps_b = b("ffn_up_exps", {F, X});
+    L.ffn_down_exps_b = b("ffn_down_exps", {E, X});
 }
 
 ggml_tensor *embed(Forward &f) { return ggml_get_rows(f.ctx, f.model->tok_embd, f.tokens); }

@@ -86,15 +86,6 @@ void read_laguna(const GGUFKeys &kv, Hparams &hp) {
     hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
 }
 
-// An F32 tensor (the score-correction bias is added to f32 probabilities).
-ggml_tensor *f32(const TensorLoader &t, const std::string &name, const std::vector<int64_t> &shape) {
-    ggml_tensor *x = t.get(name, shape);
-    if (x->type != GGML_TYPE_F32)
-        throw std::invalid_argument(t.file + ": tensor '" + name + "' has type " + ggml_type_name(x->type) +
-                                    "; it must be F32: re-convert the model");
-    return x;
-}
-
 void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeights &L) {
     auto w = [&](const char *s) { return TensorLoader::weight(il, s); };
     const int64_t E = hp.n_embd, D = hp.head_dim_k, H = hp.n_head_at(il), X = hp.n_expert, F = hp.n_ff_exp;
@@ -122,7 +113,7 @@ void load_layer(const TensorLoader &t, const Hparams &hp, int32_t il, LayerWeigh
         return;
     }
     L.ffn_gate_inp = t.get(w("ffn_gate_inp"), {E, X});
-    L.ffn_exp_probs_b = f32(t, TensorLoader::bias(il, "exp_probs_b"), {X});
+    L.ffn_exp_probs_b = f32_tensor(t, TensorLoader::bias(il, "exp_probs_b"), {X});
     L.ffn_gate_exps = t.get(w("ffn_gate_exps"), {E, F, X});
     L.ffn_up_exps = t.get(w("ffn_up_exps"), {E, F, X});
     L.ffn_down_exps = t.get(w("ffn_down_exps"), {F, E, X});
