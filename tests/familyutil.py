@@ -1,5 +1,6 @@
-"""What the family test files (test_hybrid, test_gptoss, test_laguna) share: token ids, a runtime and a session
-over a tiny GGUF, f16 KV, and logits batched or one token at a time."""
+"""What the family test files (test_hybrid, test_gptoss, test_laguna, test_gemma4) share: token ids, a runtime and
+a session over a tiny GGUF, f16 KV, and logits batched or one token at a time; the comparisons with llama.cpp
+and the conformance checks a test file calls on its model."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 
 import kvflash
 import kvflash._core as core
+import llama_ref
 
 
 def ids(n: int, seed: int, vocab: int) -> np.ndarray:
@@ -29,6 +31,76 @@ def session(path, pool=None, **kw):
 def eval_logits(rt, toks, batched: bool) -> np.ndarray:
     """Every token's logits [n, vocab]: one batch, or one eval per token."""
     return rt.eval(toks, all_logits=True) if batched else np.stack([rt.eval(toks[i:i + 1]) for i in range(len(toks))])
+
+
+# The comparisons with llama.cpp (a test file marks them peer): 300 tokens (seed 1), f16 KV on both sides; label
+# names the model in the printed line.
+def logits_match_llama_cpp(path, vocab: int, attn: str, batched: bool, label: str, ne_tol: float = 2e-3,
+                           argmax_min: float = 0.97) -> None:
+    """Against llama.cpp without flash attention: normalised error <= ne_tol over the whole [tokens, vocab]
+    array, the argmax of >= argmax_min of the rows the same."""
+    toks = ids(300, 1, vocab)
+    # one thread for llama.cpp's 300 one-token decodes: its thread pool spins between them, and on one core
+    # (a pinned run) two of its threads take minutes where one takes a second
+    ref = llama_ref.logits(path, toks, batched=batched, threads=2 if batched else 1)
+    got = eval_logits(runtime(path, attn=attn), toks, batched)
+    assert got.shape == ref.shape
+    ne = llama_ref.normalized_error(got, ref)
+    agree = float((got.argmax(1) == ref.argmax(1)).mean())
+    print(f"{label} attn={attn} batched={batched} vs llama.cpp: normalised error {ne:.3g}, argmax agreement {agree:.4f}")
+    assert ne <= ne_tol, (label, attn, batched, ne)
+    assert agree >= argmax_min, (label, attn, batched, agree)
+
+
+def batched_logits_match_llama_cpp_flash_attention(path, vocab: int, attn: str, label: str, tol: float) -> None:
+    """Batched against llama.cpp with flash attention (ggml's tiled all-f32 kernel for a batch): normalised error
+    <= tol and every argmax the same."""
+    toks = ids(300, 1, vocab)
+    ref = llama_ref.logits(path, toks, batched=True, flash_attn=True)
+    got = runtime(path, attn=attn).eval(toks, all_logits=True)
+    ne = llama_ref.normalized_error(got, ref)
+    print(f"{label} attn={attn} batched vs llama.cpp flash attention: normalised error {ne:.3g}")
+    assert ne <= tol, (label, attn, ne)
+    assert (got.argmax(1) == ref.argmax(1)).all()
+
+
+def ggml_path_one_token_matches_llama_cpp(path, vocab: int, label: str, tol: float) -> None:
+    """kvflash's ggml_flash_attn_ext path one token at a time against llama.cpp's flash attention one token at a
+    time, one thread each: normalised error <= tol."""
+    toks = ids(300, 1, vocab)
+    ref = llama_ref.logits(path, toks, batched=False, flash_attn=True, threads=1)
+    rt = core.Runtime(core.Model(str(path), n_threads=1), max_ctx=2048, kv_type="f16", ubatch=512, attn="ggml")
+    got = eval_logits(rt, toks, False)
+    ne = llama_ref.normalized_error(got, ref)
+    print(f"{label} attn=ggml one-token vs llama.cpp flash attention one-token: normalised error {ne:.3g}")
+    assert ne <= tol, (label, ne)
+
+
+def attention_paths_agree(path, vocab: int, tol: float) -> None:
+    """ggml_flash_attn_ext against the pool kernel, batched over 300 tokens (seed 2): they differ (summation
+    order), by a normalised error of at most tol."""
+    toks = ids(300, 2, vocab)
+    pool = runtime(path, attn="pool").eval(toks, all_logits=True)
+    ggml = runtime(path, attn="ggml").eval(toks, all_logits=True)
+    ne = llama_ref.normalized_error(ggml, pool)
+    assert 0 < ne <= tol, (str(path), ne)
+
+
+def captured_queries_and_scorers(path, vocab: int, q_shape: tuple, n_paged: int | None = None) -> None:
+    """A 256-slot pool under 600 tokens capturing 8 queries: the paged layers' queries are captured (q_shape:
+    [paged layers, 8, heads, head dim]); the scorers read them over the pool and the host store (one group: all
+    the history's keys take the whole mass)."""
+    rt = runtime(path, pool_tokens=256, chunk_tokens=16, ubatch=128, capture_queries=8)
+    rt.eval(ids(600, 3, vocab))
+    assert rt.pager.stats["host_chunks"] > 0
+    if n_paged is not None:
+        assert rt.n_paged_layers == n_paged
+    q = rt.captured_queries()
+    assert q.shape == q_shape and np.isfinite(q).all()
+    mass = rt.history_attention(n_threads=2, groups=np.zeros(rt.n_past, np.int32))
+    assert abs(float(mass[0]) - 1.0) < 1e-5
+    res = rt.attention_scores()
+    assert np.isfinite(res).all() and 0 < res.max() <= 1.0
 
 
 # The conformance checks a family with sliding layers shares (gpt-oss, laguna): a test file calls them on its model.

@@ -72,7 +72,6 @@ def _ids(n, seed):
 
 
 _runtime = familyutil.runtime
-_eval = familyutil.eval_logits
 
 
 # --------------------------------------------------------------------------- 1. llama.cpp
@@ -81,14 +80,7 @@ _eval = familyutil.eval_logits
 def test_ggml_path_one_token_is_llama_cpp_s(models, model):
     """kvflash's ggml_flash_attn_ext path one token at a time against llama.cpp's flash attention one token at a
     time, one thread each: the same kernels in the same order, bit for bit (measured 0 on both models)."""
-    path = models[model]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=False, flash_attn=True, threads=1)
-    rt = core.Runtime(core.Model(str(path), n_threads=1), max_ctx=2048, kv_type="f16", ubatch=512, attn="ggml")
-    got = _eval(rt, toks, False)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"gemma4 {model} attn=ggml one-token vs llama.cpp flash attention one-token: normalised error {ne:.3g}")
-    assert ne <= 1e-6, ne
+    familyutil.ggml_path_one_token_matches_llama_cpp(models[model]["path"], V, f"gemma4 {model}", 1e-6)
 
 
 @pytest.mark.peer
@@ -97,14 +89,8 @@ def test_ggml_path_one_token_is_llama_cpp_s(models, model):
 def test_batched_logits_match_llama_cpp_flash_attention(models, model, attn):
     """Batched against llama.cpp's flash attention (ggml's tiled f32 kernel): summation order, made visible by
     the GELU table (module docstring).  Measured 2.2e-4 / 2.4e-4 (main), 1.1e-4 (moe)."""
-    path = models[model]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=True, flash_attn=True)
-    got = _runtime(path, attn=attn).eval(toks, all_logits=True)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"gemma4 {model} attn={attn} batched vs llama.cpp flash attention: normalised error {ne:.3g}")
-    assert ne <= FA_TOL, (model, attn, ne)
-    assert (got.argmax(1) == ref.argmax(1)).all()
+    familyutil.batched_logits_match_llama_cpp_flash_attention(models[model]["path"], V, attn, f"gemma4 {model}",
+                                                              FA_TOL)
 
 
 @pytest.mark.peer
@@ -114,15 +100,7 @@ def test_batched_logits_match_llama_cpp_flash_attention(models, model, attn):
 def test_logits_match_llama_cpp(models, model, attn, batched):
     """Against llama.cpp without flash attention (its f16 rounding of Q and the softmax weights): as large as
     llama.cpp's own two attention paths differ (measured 1.1e-3 main, 7.5e-4 moe, both)."""
-    path = models[model]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=batched, threads=2 if batched else 1)
-    got = _eval(_runtime(path, attn=attn), toks, batched)
-    ne = llama_ref.normalized_error(got, ref)
-    agree = float((got.argmax(1) == ref.argmax(1)).mean())
-    print(f"gemma4 {model} attn={attn} batched={batched} vs llama.cpp: normalised error {ne:.3g}, argmax {agree:.4f}")
-    assert ne <= NE_TOL, (model, attn, batched, ne)
-    assert agree >= ARGMAX_MIN, (model, attn, batched, agree)
+    familyutil.logits_match_llama_cpp(models[model]["path"], V, attn, batched, f"gemma4 {model}", NE_TOL, ARGMAX_MIN)
 
 
 # --------------------------------------------------------------------------- 2. what the test model exercises
@@ -177,25 +155,13 @@ def test_each_feature_matters(tmp_path, models):
 def test_the_attention_paths_agree(models):
     """ggml_flash_attn_ext against the pool kernel, batched: summation order (and the GELU table's edges)."""
     for k in ("main", "moe"):
-        path = models[k]["path"]
-        toks = _ids(300, seed=2)
-        pool = _runtime(path, attn="pool").eval(toks, all_logits=True)
-        ggml = _runtime(path, attn="ggml").eval(toks, all_logits=True)
-        assert 0 < llama_ref.normalized_error(ggml, pool) <= 1e-3, k
+        familyutil.attention_paths_agree(models[k]["path"], V, 1e-3)
 
 
 def test_captured_queries_and_scorers(models):
     """The paged layers' queries (layers 2 and 4: 4 heads of 64) are captured; the sliding layers' 32-wide
     heads and the shared layer's never enter; the scorers read them over the pool and the host store."""
-    rt = _runtime(models["main"]["path"], pool_tokens=256, chunk_tokens=16, ubatch=128, capture_queries=8)
-    rt.eval(_ids(600, seed=3))
-    assert rt.pager.stats["host_chunks"] > 0 and rt.n_paged_layers == 2
-    q = rt.captured_queries()
-    assert q.shape == (2, 8, 4, 64) and np.isfinite(q).all()
-    mass = rt.history_attention(n_threads=2, groups=np.zeros(rt.n_past, np.int32))
-    assert abs(float(mass[0]) - 1.0) < 1e-5
-    res = rt.attention_scores()
-    assert np.isfinite(res).all() and 0 < res.max() <= 1.0
+    familyutil.captured_queries_and_scorers(models["main"]["path"], V, (2, 8, 4, 64), n_paged=2)
 
 
 def test_the_shared_layers_keep_nothing(models):

@@ -77,16 +77,7 @@ def test_logits_match_llama_cpp(models, attn, batched):
     a time: ggml's one-query flash-attention kernel accumulates in f16, which alone moves this model's logits
     by ~1.4e-2 from llama.cpp's non-flash attention (qwen3moe's by 6e-3, a dense qwen3's by 2e-3);
     test_ggml_path_matches_llama_cpp_flash_attention compares that path with its own peer."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=batched, threads=2 if batched else 1)  # one token: 2 threads only spin
-    got = _eval(_runtime(path, attn=attn), toks, batched)
-    assert got.shape == ref.shape
-    ne = llama_ref.normalized_error(got, ref)
-    agree = float((got.argmax(1) == ref.argmax(1)).mean())
-    print(f"gpt-oss attn={attn} batched={batched} vs llama.cpp: normalised error {ne:.3g}, argmax agreement {agree:.4f}")
-    assert ne <= NE_TOL, (attn, batched, ne)
-    assert agree >= ARGMAX_MIN, (attn, batched, agree)
+    familyutil.logits_match_llama_cpp(models["main"]["path"], V, attn, batched, "gpt-oss", NE_TOL, ARGMAX_MIN)
 
 
 @pytest.mark.peer
@@ -95,14 +86,7 @@ def test_batched_logits_match_llama_cpp_flash_attention(models, attn):
     """llama.cpp with flash attention on, batched, takes ggml's tiled all-f32 kernel: no f16 rounding of Q or
     of the softmax weights on its side, so what is left is summation order (measured 3e-5 here, against
     1.6e-3 without flash attention).  The tight check of the sinks, YaRN, the biases and the routing."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=True, flash_attn=True)
-    got = _runtime(path, attn=attn).eval(toks, all_logits=True)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"gpt-oss attn={attn} batched vs llama.cpp flash attention: normalised error {ne:.3g}")
-    assert ne <= 2e-4, (attn, ne)
-    assert (got.argmax(1) == ref.argmax(1)).all()
+    familyutil.batched_logits_match_llama_cpp_flash_attention(models["main"]["path"], V, attn, "gpt-oss", 2e-4)
 
 
 @pytest.mark.peer
@@ -111,14 +95,7 @@ def test_ggml_path_matches_llama_cpp_flash_attention(models):
     a time: one thread on both sides (two split the one-query kernel's work by the attended extent, which
     differs: kvflash's ring and pool against llama.cpp's cells), the same kernels in the same order: equal
     to float rounding (bit for bit here)."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=False, flash_attn=True, threads=1)
-    rt = core.Runtime(core.Model(str(path), n_threads=1), max_ctx=2048, kv_type="f16", ubatch=512, attn="ggml")
-    got = _eval(rt, toks, False)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"gpt-oss attn=ggml one-token vs llama.cpp flash attention one-token: normalised error {ne:.3g}")
-    assert ne <= 1e-5, ne
+    familyutil.ggml_path_one_token_matches_llama_cpp(models["main"]["path"], V, "gpt-oss", 1e-5)
 
 
 @pytest.mark.peer
@@ -208,11 +185,7 @@ def test_pool_kernel_sinks_against_numpy(kind, tiled, n_split, table_rows):
 def test_the_attention_paths_agree(models):
     """ggml_flash_attn_ext (sinks through ggml_flash_attn_ext_add_sinks) against the pool kernel, batched: ggml's
     CPU flash attention takes its tiled f32 kernel for a batch, so they differ by summation order (9e-6)."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=2)
-    pool = _runtime(path, attn="pool").eval(toks, all_logits=True)
-    ggml = _runtime(path, attn="ggml").eval(toks, all_logits=True)
-    assert 0 < llama_ref.normalized_error(ggml, pool) <= 1e-4
+    familyutil.attention_paths_agree(models["main"]["path"], V, 1e-4)
 
 
 def test_the_scorers_count_the_sinks(models):

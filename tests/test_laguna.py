@@ -68,7 +68,6 @@ def _ids(n, seed):
 
 _runtime = familyutil.runtime
 _session = familyutil.session
-_eval = familyutil.eval_logits
 
 
 # --------------------------------------------------------------------------- 1. llama.cpp
@@ -82,18 +81,7 @@ def test_logits_match_llama_cpp(models, attn, batched):
     attention paths differ by 1.7e-2 / 7.9e-3 on this prompt, one token's sigmoid scores tying within f16's
     rounding of Q and the softmax weights and its experts changing; the flash-attention comparisons below held
     at seed 3 too (4.6e-5)."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=1)
-    # one thread for llama.cpp's 300 one-token decodes: its thread pool spins between them, and on one core
-    # (a pinned run) two of its threads take minutes where one takes a second
-    ref = llama_ref.logits(path, toks, batched=batched, threads=2 if batched else 1)
-    got = _eval(_runtime(path, attn=attn), toks, batched)
-    assert got.shape == ref.shape
-    ne = llama_ref.normalized_error(got, ref)
-    agree = float((got.argmax(1) == ref.argmax(1)).mean())
-    print(f"laguna attn={attn} batched={batched} vs llama.cpp: normalised error {ne:.3g}, argmax agreement {agree:.4f}")
-    assert ne <= NE_TOL, (attn, batched, ne)
-    assert agree >= ARGMAX_MIN, (attn, batched, agree)
+    familyutil.logits_match_llama_cpp(models["main"]["path"], V, attn, batched, "laguna", NE_TOL, ARGMAX_MIN)
 
 
 @pytest.mark.peer
@@ -103,28 +91,14 @@ def test_batched_logits_match_llama_cpp_flash_attention(models, model, attn):
     """llama.cpp with flash attention on, batched, takes ggml's tiled all-f32 kernel: what is left is summation
     order.  The tight check of the per-layer heads and RoPE, the gate (per head and per element), the routing
     with its bias, the shared expert and the dense lead; "full" has no window (every layer paged)."""
-    path = models[model]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=True, flash_attn=True)
-    got = _runtime(path, attn=attn).eval(toks, all_logits=True)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"laguna {model} attn={attn} batched vs llama.cpp flash attention: normalised error {ne:.3g}")
-    assert ne <= 2e-4, (model, attn, ne)
-    assert (got.argmax(1) == ref.argmax(1)).all()
+    familyutil.batched_logits_match_llama_cpp_flash_attention(models[model]["path"], V, attn, f"laguna {model}", 2e-4)
 
 
 @pytest.mark.peer
 def test_ggml_path_matches_llama_cpp_flash_attention(models):
     """kvflash's ggml_flash_attn_ext path one token at a time against llama.cpp's flash attention one token at
     a time, one thread each: the same kernels in the same order."""
-    path = models["main"]["path"]
-    toks = _ids(300, seed=1)
-    ref = llama_ref.logits(path, toks, batched=False, flash_attn=True, threads=1)
-    rt = core.Runtime(core.Model(str(path), n_threads=1), max_ctx=2048, kv_type="f16", ubatch=512, attn="ggml")
-    got = _eval(rt, toks, False)
-    ne = llama_ref.normalized_error(got, ref)
-    print(f"laguna attn=ggml one-token vs llama.cpp flash attention one-token: normalised error {ne:.3g}")
-    assert ne <= 1e-5, ne
+    familyutil.ggml_path_one_token_matches_llama_cpp(models["main"]["path"], V, "laguna", 1e-5)
 
 
 # --------------------------------------------------------------------------- 2. what the test model exercises
@@ -158,25 +132,13 @@ def test_gate_bias_window_and_yarn_matter(models):
 def test_the_attention_paths_agree(models):
     """ggml_flash_attn_ext against the pool kernel, batched (ggml's tiled f32 kernel for a batch): summation order."""
     for k in ("main", "full"):
-        path = models[k]["path"]
-        toks = _ids(300, seed=2)
-        pool = _runtime(path, attn="pool").eval(toks, all_logits=True)
-        ggml = _runtime(path, attn="ggml").eval(toks, all_logits=True)
-        assert 0 < llama_ref.normalized_error(ggml, pool) <= 1e-4, k
+        familyutil.attention_paths_agree(models[k]["path"], V, 1e-4)
 
 
 def test_captured_queries_and_scorers(models):
     """The paged (global) layers' queries are captured at their own head count (4), the sliding layers' 6 never
     enter; the scorers read them over the pool and the host store."""
-    rt = _runtime(models["main"]["path"], pool_tokens=256, chunk_tokens=16, ubatch=128, capture_queries=8)
-    rt.eval(_ids(600, seed=3))
-    assert rt.pager.stats["host_chunks"] > 0
-    q = rt.captured_queries()
-    assert q.shape == (2, 8, 4, 32) and np.isfinite(q).all()
-    mass = rt.history_attention(n_threads=2, groups=np.zeros(rt.n_past, np.int32))
-    assert abs(float(mass[0]) - 1.0) < 1e-5          # one group: all the history's keys
-    res = rt.attention_scores()
-    assert np.isfinite(res).all() and 0 < res.max() <= 1.0
+    familyutil.captured_queries_and_scorers(models["main"]["path"], V, (2, 8, 4, 32))
 
 
 # --------------------------------------------------------------------------- 3. paging
