@@ -269,3 +269,54 @@ def test_qk_defaults_are_peak_scoring_over_early_layers():
     c = QKPolicy(aggregate="chunk")
     assert (c.contrast, c.spread, c.n_capture) == (0, 0, 8)
     assert QKPolicy("bound").aggregate == "chunk" and QKPolicy("bound").contrast == 0
+
+
+def _prefill_rescore_session(tiny, every: int, **kw):
+    return kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="qk", tau=16, threads=1, verbose=False,
+                           prefill_rescore=every, **kw)
+
+
+def test_prefill_rescore_scores_between_pooled_pieces(tiny):
+    """prefill_rescore=1: after each pooled piece but the last (once the prompt outgrew the pool) the chunks
+    are scored and the best paged in, exactly as a rescore between the same pieces read one by one does."""
+    ids = _tokens(64 * 12, 7).tolist()
+    a = _prefill_rescore_session(tiny, 1)
+    a.prefill(ids)
+    # the same pieces by hand: 512 batched (the pool's size), then 64-token pieces with a rescore between them
+    b = _prefill_rescore_session(tiny, 0)
+    b.runtime.eval(np.asarray(ids[:576], dtype=np.int32))
+    for lo in (576, 640, 704):
+        b.rescore()
+        b.runtime.eval(np.asarray(ids[lo:lo + 64], dtype=np.int32))
+    b._settle_prompt(ids)
+    ta, tb = a.pager.chunk_table(), b.pager.chunk_table()
+    assert np.array_equal(ta["block"], tb["block"])
+    assert np.array_equal(a.logits(), b.logits())
+    assert a.stats["rescores"] == b.stats["rescores"] == 4   # three between pieces, the settling one
+    # without it only the settling rescore runs, and the pieces attend other chunks
+    c = _prefill_rescore_session(tiny, 0)
+    c.prefill(ids)
+    assert c.stats["rescores"] == 1
+    assert a.pager.stats["page_ins"] > c.pager.stats["page_ins"]
+    assert not np.array_equal(a.logits(), c.logits())
+    # every second piece
+    d = _prefill_rescore_session(tiny, 2)
+    d.prefill(ids)
+    assert d.stats["rescores"] == 2
+    for s in (a, b, c, d):
+        s.pager.check_invariants()
+
+
+def test_prefill_rescore_is_checked_and_skipped_where_it_cannot_apply(tiny):
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="prefill_rescore"):
+            _prefill_rescore_session(tiny, bad)
+    ids = _tokens(64 * 12, 8).tolist()
+    # exact prefill attends every position: nothing to choose between pieces
+    e = _prefill_rescore_session(tiny, 1, exact_prefill=True)
+    e.prefill(ids)
+    assert e.stats["rescores"] == 1
+    # lru scores nothing
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False, prefill_rescore=1)
+    s.prefill(ids)
+    assert s.stats["rescores"] == 0

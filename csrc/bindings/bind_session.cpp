@@ -84,7 +84,8 @@ QkScoring qk_settings(const py::dict &qk) {
 void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
                             bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture,
-                            std::shared_ptr<DrafterScorer> drafter, py::object allow_long_ctx, py::object seed_given) {
+                            std::shared_ptr<DrafterScorer> drafter, py::object allow_long_ctx, py::object seed_given,
+                            int32_t prefill_rescore) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
@@ -97,6 +98,7 @@ void bind_session(RuntimeClass &cls) {
                  c.drafter = c.scorer == Scorer::Drafter ? drafter : nullptr;
                  c.tau = tau;
                  c.reeval_tokens = reeval_tokens;
+                 c.prefill_rescore = prefill_rescore;
                  c.exact = exact;
                  c.exact_draft = exact_draft;
                  c.exact_prefill = exact_prefill;
@@ -107,7 +109,7 @@ void bind_session(RuntimeClass &cls) {
              }, py::kw_only(), py::arg("scorer") = "none", py::arg("qk") = py::dict(), py::arg("tau") = 64,
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
              py::arg("exact_prefill") = false, py::arg("reread_capture") = false, py::arg("drafter") = nullptr,
-             py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(),
+             py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(), py::arg("prefill_rescore") = 0,
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
              "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
              "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "

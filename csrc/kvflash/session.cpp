@@ -19,6 +19,9 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 void SessionConfig::validate() const {
     if (tau < 1) throw std::invalid_argument("tau must be >= 1 (decoded tokens between rescores), got " + std::to_string(tau));
     if (reeval_tokens < 1) throw std::invalid_argument("reeval_tokens must be >= 1, got " + std::to_string(reeval_tokens));
+    if (prefill_rescore < 0)
+        throw std::invalid_argument("prefill_rescore must be >= 0 (pooled prefill pieces between rescores; 0: none), got " +
+                                    std::to_string(prefill_rescore));
     if (exact_draft < -1 || exact_draft > kMaxDraft)
         throw std::invalid_argument("exact_draft must be -1 (adaptive) or in [0, " + std::to_string(kMaxDraft) +
                                     "], got " + std::to_string(exact_draft));
@@ -220,6 +223,16 @@ int32_t Session::prefill_(const int32_t *ids, int32_t n, const ProgressFn &progr
     EvalOptions opt;
     opt.exact = exact_prefill();
     opt.progress = progress;
+    if (cfg_.prefill_rescore > 0 && cfg_.scorer == Scorer::Qk && scored() && !opt.exact) {
+        // Between pieces, once the prompt has outgrown the pool: the piece just read scores the chunks
+        // (its queries are the capture window) and the best of them are paged in for the next pieces.
+        int32_t pieces = 0;
+        opt.progress = [this, &progress, &pieces](int32_t done, int32_t total) {
+            if (done < total && rt_->pager().stats().host_chunks > 0 && ++pieces % cfg_.prefill_rescore == 0)
+                rescore();
+            if (progress) progress(done, total);
+        };
+    }
     eval(ids, n, false, l.data(), opt);
     logits_.swap(l);
     settle_prompt(n);

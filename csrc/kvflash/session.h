@@ -52,6 +52,11 @@ struct SessionConfig {
     std::shared_ptr<DrafterScorer> drafter;   // Scorer::Drafter's scorer (its own model and cache)
     int32_t tau = 64;           // decoded tokens between rescores, at least
     int32_t reeval_tokens = 64; // a prompt's tail read again after its settling rescore
+    // While a prompt is read over the pool: a qk rescore after every this many pooled pieces, so the
+    // next pieces attend the chunks the latest piece's own queries rank highest, not only the most
+    // recent ones (0: none, the settling rescore only).  Qk scorers only (they read no token list);
+    // no effect with exact prefill, whose pieces attend every position anyway.
+    int32_t prefill_rescore = 0;
     uint64_t seed = 0;
     bool exact = false;         // exact mode: speculative rounds verified over the whole context
     int32_t exact_draft = -1;   // drafts per round (-1: adaptive)

@@ -31,7 +31,7 @@ def is_bool(v) -> bool:
 
 
 def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill, exact_draft, tau, kvflash,
-                       reeval_tokens) -> None:
+                       reeval_tokens, prefill_rescore=0) -> None:
     """Session's arguments that need no model to check."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
@@ -52,6 +52,9 @@ def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill
         raise ValueError(f"kvflash must be 'auto', an integer pool size in tokens, or None, got {kvflash!r}")
     if not isinstance(reeval_tokens, int) or reeval_tokens < 1:
         raise ValueError(f"reeval_tokens must be a positive integer, got {reeval_tokens!r}")
+    if not is_int(prefill_rescore, 0):
+        raise ValueError(f"prefill_rescore must be an integer >= 0 (pooled prefill pieces between qk rescores; 0: "
+                         f"none), got {prefill_rescore!r}")
 
 
 def check_max_ctx(max_ctx, n_ctx_train: int, allow_long_ctx: bool) -> None:

@@ -48,13 +48,14 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, reeval_tokens: int = 64, verbose: bool = True, device: str = "auto",
+                 ubatch: int = 512, reeval_tokens: int = 64, prefill_rescore: int = 0, verbose: bool = True,
+                 device: str = "auto",
                  max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
                  exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False,
                  rpc: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None):
         check_session_args(kv_type=kv_type, threads=threads, max_host_bytes=max_host_bytes, exact=exact,
                            exact_prefill=exact_prefill, exact_draft=exact_draft, tau=tau, kvflash=kvflash,
-                           reeval_tokens=reeval_tokens)
+                           reeval_tokens=reeval_tokens, prefill_rescore=prefill_rescore)
         rpc, tensor_split = rpc_args(rpc, tensor_split)
         if rpc and (exact or exact_prefill):
             raise ValueError("exact=True and exact_prefill=True read the host store in place with kvflash's CPU "
@@ -92,6 +93,7 @@ class Session:
         self.tau = tau
         self.kv_type = kv_type
         self.reeval_tokens = reeval_tokens
+        self.prefill_rescore = prefill_rescore
 
         # The policy (the drafter resolved, or the fallback decided) before sizing the pool: what it declares
         # it needs (Requirements) sizes the pool's neighbours and the runtime's capture window.
@@ -183,7 +185,8 @@ class Session:
         else:
             rt.set_scorer(self._policy_scores)
             scorer = dict(scorer="external")
-        rt.configure(**scorer, tau=self.tau, reeval_tokens=self.reeval_tokens, exact=self.exact,
+        rt.configure(**scorer, tau=self.tau, reeval_tokens=self.reeval_tokens, prefill_rescore=self.prefill_rescore,
+                     exact=self.exact,
                      exact_draft=-1 if self.exact_draft is None else self.exact_draft,
                      exact_prefill=self.exact_prefill, allow_long_ctx=self._allow_long_ctx,
                      seed_given=self.seed is not None)

@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact: drafts per round (default: adaptive)")
     p.add_argument("--exact-prefill", dest="exact_prefill", action="store_true", default=None,
                    help="kvflash sessions prefill as the full cache does (every chunk's K/V exact; decode over the pool)")
+    p.add_argument("--prefill-rescore", dest="prefill_rescore", type=int, default=None,
+                   help="kvflash sessions with a qk policy rescore every N pooled prefill pieces, so later pieces "
+                        "attend the chunks the latest piece ranks highest (Session(prefill_rescore=N); 0: off)")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -267,7 +270,8 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("chunk_tokens", "chunk_tokens"), ("prefill_piece", "prefill_piece"), ("ruler_log", "ruler_log"),
                     ("ruler_logged_only", "ruler_logged_only"), ("exact_prompts", "exact_prompts"),
                     ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft"),
-                    ("exact_prefill", "exact_prefill"), ("load_seconds", "load_seconds")]:
+                    ("exact_prefill", "exact_prefill"), ("prefill_rescore", "prefill_rescore"),
+                    ("load_seconds", "load_seconds")]:
         v = getattr(args, k)
         if v is not None:
             setattr(cfg, attr, v)

@@ -70,6 +70,7 @@ class BenchConfig:
     exact_tokens: int = 256                # exact: greedy tokens per prompt
     exact_draft: Optional[int] = None      # exact: drafts per round (None: the session's adaptive choice)
     exact_prefill: bool = False            # kvflash sessions prefill as the full cache does (Session(exact_prefill=True))
+    prefill_rescore: int = 0               # qk rescore every N pooled prefill pieces (Session(prefill_rescore=N))
     seed: int = 1234
     # where sessions compute: "cpu", or a GPU as Session takes it ("vulkan:0", "cuda:0", "auto"); memory, paging
     # and decode measure the device's pool there (paging: a standalone Pager on the device)
@@ -356,6 +357,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
             kw["prefill_piece"] = cfg.prefill_piece
         if cfg.exact_prefill:
             kw["exact_prefill"] = True
+        if cfg.prefill_rescore:
+            kw["prefill_rescore"] = cfg.prefill_rescore
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

@@ -64,7 +64,8 @@ def _log_identity(cfg: BenchConfig) -> dict:
             "prefill_piece": cfg.prefill_piece,
             "reserve": cfg.answer_tokens,
             # only when set, so logs written before the option still match its default
-            **({"exact_prefill": True} if cfg.exact_prefill else {})}
+            **({"exact_prefill": True} if cfg.exact_prefill else {}),
+            **({"prefill_rescore": cfg.prefill_rescore} if cfg.prefill_rescore else {})}
 
 
 def _drafter(cfg: BenchConfig):
@@ -188,7 +189,14 @@ def run_ruler(cfg: BenchConfig) -> Result:
                                 s.restore(snap)
                                 s.policy = pols[name]
                                 r0, t0 = s._rescore_s, time.perf_counter()
-                                s._settle_prompt(tr.ids)
+                                if cfg.prefill_rescore and isinstance(pols[name], QKPolicy):
+                                    # the prefill itself depends on the policy: this one reads the prompt
+                                    s.reset()
+                                    s.prefill(tr.ids)
+                                    mode_pre = time.perf_counter() - t0
+                                else:
+                                    s._settle_prompt(tr.ids)
+                                    mode_pre = pre
                                 settle = time.perf_counter() - t0
                                 resc = s._rescore_s - r0
                                 if task in LIST_TASKS:   # every occurrence counts: no chunk holds "the" value
@@ -201,7 +209,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                                 ntok = s.n_past - n0
                                 rec["modes"].append({"residency": r, "pool": s.runtime.pool_tokens, "policy": name,
                                                      "answer": ans, "score": score(ans, tr.values),
-                                                     "prefill_s": pre, "settle_s": settle, "rescore_s": resc,
+                                                     "prefill_s": mode_pre, "settle_s": settle, "rescore_s": resc,
                                                      "answer_s": dt, "answer_tokens": ntok,
                                                      "kept": where["kept"], "ranks": where["ranks"],
                                                      "free_slots": where["free_slots"],
@@ -248,6 +256,11 @@ def run_ruler(cfg: BenchConfig) -> Result:
                          "does (every position attended, paged-out rows read from the host store), so every chunk's "
                          "K/V are the full cache's and no tail is re-read; the policy then picks the residents and the "
                          "answer decodes over the pool")
+    if cfg.prefill_rescore:
+        res.notes.append(f"prefill rescore (--prefill-rescore {cfg.prefill_rescore}): each qk policy prefills the prompt "
+                         f"itself, rescoring every {cfg.prefill_rescore} pooled piece(s) so the next pieces attend the "
+                         "chunks the latest piece ranks highest (its prefill_s and settle_s are that prefill, "
+                         "rescores included); lru and the drafter share the LRU prefill")
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
     res.raw = [dict(m, key=rec["key"], context=rec["context"], task=rec["task"], haystack=rec["haystack"],
