@@ -1,0 +1,169 @@
+"""Where does the pooled prefill lose multi-key retrieval?  A probe on TUNING data only (issue 40).
+
+Per RULER-style trial (the ruler routine's builder, tuning split) the full cache answers, then each mode
+prefills the same prompt into a pooled session, settles it as `Session.prefill` does (the qk rescore, the
+tail re-read) and answers greedily.  Beside the answer's score, each mode's log-probability of the expected
+value (teacher-forced over the pool, the continuous signal a handful of trials needs) and whether the chunks
+holding every needle sentence were resident.
+
+Modes (comma list, `--modes`):
+  full        the full cache
+  pool        the pooled prefill as a session makes it, then the settle (the baseline)
+  pool:rN     the same, the settle re-reading the prompt's last N tokens instead of reeval_tokens' 64
+  pool:sN     the pooled prefill with N sink chunks (the prompt's first N chunks never leave the pool)
+  pool:xN     the pooled prefill read N tokens at a time, each piece followed by a qk rescore (its own last
+              queries choose the residents the next piece attends; one token re-read), then the settle
+  exact       exact prefill (every position attended, the host store read in place)
+
+    python bench/prefill_diag.py --task multikey --context 4096 --residency 16 --trials 0,1,2,3 \
+        --modes full,pool,pool:r256,pool:s4,exact --out DIR
+
+Tuning data only: the split is fixed to `tuning`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def _logp_value(s, ids_value: list, first_logits: np.ndarray) -> float:
+    """log p of the value's tokens given the prompt, teacher-forced (the runtime's eval over the pool)."""
+    def lsm(x):
+        x = x.astype(np.float64)
+        m = x.max()
+        return x - m - np.log(np.exp(x - m).sum())
+    lp = float(lsm(first_logits)[ids_value[0]])
+    if len(ids_value) > 1:
+        rows = s.runtime.eval(np.asarray(ids_value[:-1], dtype=np.int32), True, False, False, None)
+        for j, t in enumerate(ids_value[1:]):
+            lp += float(lsm(rows[j])[t])
+    return lp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--task", default="multikey")
+    ap.add_argument("--haystacks", default="filler,ledger")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--residency", type=int, default=16)
+    ap.add_argument("--chunk-tokens", type=int, default=16)
+    ap.add_argument("--prefill-piece", type=int, default=64)
+    ap.add_argument("--trials", default="0,1,2,3")
+    ap.add_argument("--modes", default="full,pool,pool:r256,exact")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    import kvflash
+    from kvflash.bench.routines._shared import passkey_chunks
+    from kvflash.bench.ruler import RulerBuilder, score
+    from kvflash.policies import LRUPolicy
+    from kvflash.scoring import QKPolicy
+
+    os.makedirs(a.out, exist_ok=True)
+    D, pool = a.context, a.context // a.residency
+    modes = a.modes.split(",")
+    common = dict(max_ctx=D, threads=a.threads, seed=a.seed, verbose=False, chunk_tokens=a.chunk_tokens)
+    full = kvflash.Session(a.model, kvflash=None, **common)
+    sessions: dict = {}
+
+    def pooled(sink: int, exact: bool):
+        key = (sink, exact)
+        if key not in sessions:
+            sessions[key] = kvflash.Session(a.model, **common, kvflash=pool, policy=QKPolicy(), sink_chunks=sink,
+                                            prefill_piece=a.prefill_piece, exact_prefill=exact)
+        return sessions[key]
+
+    builder = RulerBuilder(full, a.seed, split="tuning")
+    tmp = tempfile.mkdtemp(prefix="kvflash-pdiag-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    snap = os.path.join(tmp, "settled.kvfs")
+    log = open(os.path.join(a.out, "trials.jsonl"), "a")
+    for hay in a.haystacks.split(","):
+        for i in (int(x) for x in a.trials.split(",")):
+            tr = builder.trial(a.task, hay, i, D - 64)
+            value_ids = full.tokenize(" " + tr.values[0], add_special=False)
+            rec = {"task": a.task, "haystack": hay, "trial": i, "context": D, "pool": pool, "values": tr.values,
+                   "prompt_tokens": len(tr.ids), "modes": {}}
+            for mode in modes:
+                parts = mode.split(":")
+                if parts[0] == "full":
+                    s = full
+                else:
+                    opt = {p[0]: int(p[1:]) for p in parts[1:]}
+                    s = pooled(opt.get("s", 1), parts[0] == "exact")
+                s.reset()
+                t0 = time.perf_counter()
+                if s is full:
+                    s.prefill(tr.ids)
+                elif "x" in opt:
+                    # piece by piece under qk, each piece's settle rescoring and re-reading one token
+                    s.policy = QKPolicy()
+                    s.reeval_tokens = 1
+                    s._configure_core()
+                    K = opt["x"]
+                    for j in range(0, len(tr.ids), K):
+                        s.prefill(tr.ids[j:j + K])
+                    s.reeval_tokens = opt.get("r", 64)
+                    s._configure_core()
+                    s._settle_prompt(tr.ids)
+                else:
+                    s.reeval_tokens = opt.get("r", 64)
+                    # the pooled prefill under LRU, then the qk settle (as the ruler routine shares one prefill)
+                    s.policy = LRUPolicy()
+                    s.prefill(tr.ids)
+                    s.policy = QKPolicy()
+                    s._settle_prompt(tr.ids)
+                pre = time.perf_counter() - t0
+                kept = None
+                if s is not full:
+                    table = s.pager.chunk_table()
+                    kept = all(bool(table["block"][c] >= 0) for x in tr.needles for c in passkey_chunks(s, tr.ids, x))
+                s.save(snap)
+                ans = "".join(s.generate(None, max_tokens=tr.answer_tokens, temperature=0.0, stop=["\n"]))
+                pol = s.policy
+                s.restore(snap)
+                s.policy = pol
+                lp = _logp_value(s, value_ids, s.logits())
+                rec["modes"][mode] = {"answer": ans, "score": score(ans, tr.values), "logp": lp, "kept": kept,
+                                      "prefill_s": pre}
+                print(f"{hay} #{i} {mode:>10}: score {score(ans, tr.values):.2f} logp {lp:8.3f} kept {kept} "
+                      f"{pre:6.1f}s  {ans[:40]!r}", flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+    os.remove(snap)
+    os.rmdir(tmp)
+    summarize(os.path.join(a.out, "trials.jsonl"))
+
+
+def summarize(path: str) -> None:
+    recs = [json.loads(x) for x in open(path) if x.strip()]
+    modes = list(dict.fromkeys(m for r in recs for m in r["modes"]))
+    print(f"\n{len(recs)} trials (TUNING split)")
+    print("| mode | score | mean logp of the value | mean logp - full's | kept | prefill s (median) |")
+    print("|---|---|---|---|---|---|")
+    for m in modes:
+        rs = [r for r in recs if m in r["modes"] and "full" in r["modes"]]
+        if not rs:
+            continue
+        sc = statistics.mean(r["modes"][m]["score"] for r in rs)
+        lp = statistics.mean(r["modes"][m]["logp"] for r in rs)
+        d = statistics.mean(r["modes"][m]["logp"] - r["modes"]["full"]["logp"] for r in rs)
+        ks = [r["modes"][m]["kept"] for r in rs if r["modes"][m]["kept"] is not None]
+        pre = statistics.median(r["modes"][m]["prefill_s"] for r in rs)
+        print(f"| {m} | {sc:.2f} ({len(rs)}) | {lp:.2f} | {d:+.2f} | {sum(ks)}/{len(ks) if ks else '-'} | {pre:.1f} |")
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) == 3 and sys.argv[1] == "--summary":
+        summarize(sys.argv[2])
+    else:
+        main()
