@@ -11,7 +11,8 @@ Modes (comma list, `--modes`):
   pool        the pooled prefill as a session makes it, then the settle (the baseline)
   pool:rN     the same, the settle re-reading the prompt's last N tokens instead of reeval_tokens' 64
   pool:sN     the pooled prefill with N sink chunks (the prompt's first N chunks never leave the pool)
-  pool:xN     the pooled prefill read N tokens at a time, each piece followed by a qk rescore (its own last
+  pool:pN     Session(prefill_rescore=N): the core rescores every N pooled pieces while it reads the prompt
+  pool:xN     (the Python prototype of pool:p1) the pooled prefill read N tokens at a time, each piece followed by a qk rescore (its own last
               queries choose the residents the next piece attends; one token re-read), then the settle
   exact       exact prefill (every position attended, the host store read in place)
 
@@ -75,11 +76,12 @@ def main() -> None:
     full = kvflash.Session(a.model, kvflash=None, **common)
     sessions: dict = {}
 
-    def pooled(sink: int, exact: bool):
-        key = (sink, exact)
+    def pooled(sink: int, exact: bool, every: int):
+        key = (sink, exact, every)
         if key not in sessions:
             sessions[key] = kvflash.Session(a.model, **common, kvflash=pool, policy=QKPolicy(), sink_chunks=sink,
-                                            prefill_piece=a.prefill_piece, exact_prefill=exact)
+                                            prefill_piece=a.prefill_piece, exact_prefill=exact,
+                                            prefill_rescore=every)
         return sessions[key]
 
     builder = RulerBuilder(full, a.seed, split="tuning")
@@ -98,10 +100,14 @@ def main() -> None:
                     s = full
                 else:
                     opt = {p[0]: int(p[1:]) for p in parts[1:]}
-                    s = pooled(opt.get("s", 1), parts[0] == "exact")
+                    s = pooled(opt.get("s", 1), parts[0] == "exact", opt.get("p", 0))
                 s.reset()
                 t0 = time.perf_counter()
                 if s is full:
+                    s.prefill(tr.ids)
+                elif "p" in opt:   # the prefill depends on the policy: read under qk, its settle included
+                    s.reeval_tokens = opt.get("r", 64)
+                    s.policy = QKPolicy()
                     s.prefill(tr.ids)
                 elif "x" in opt:
                     # piece by piece under qk, each piece's settle rescoring and re-reading one token

@@ -272,27 +272,29 @@ def test_qk_defaults_are_peak_scoring_over_early_layers():
 
 
 def _prefill_rescore_session(tiny, every: int, **kw):
-    return kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="qk", tau=16, threads=1, verbose=False,
-                           prefill_rescore=every, **kw)
+    # 32 blocks of 32 tokens: sink 1, tail window 4 and the head's chunk leave 26 to choose
+    return kvflash.Session(tiny, max_ctx=4096, kvflash=1024, chunk_tokens=32, policy="qk", tau=16, threads=1,
+                           verbose=False, prefill_rescore=every, **kw)
 
 
 def test_prefill_rescore_scores_between_pooled_pieces(tiny):
     """prefill_rescore=1: after each pooled piece but the last (once the prompt outgrew the pool) the chunks
-    are scored and the best paged in, exactly as a rescore between the same pieces read one by one does."""
-    ids = _tokens(64 * 12, 7).tolist()
+    are scored and the best paged in, the chunks of the recent half of the evictable blocks kept, exactly as
+    a rescore keeping them between the same pieces read one by one does."""
+    ids = _tokens(64 * 24, 7).tolist()
     a = _prefill_rescore_session(tiny, 1)
     a.prefill(ids)
-    # the same pieces by hand: 512 batched (the pool's size), then 64-token pieces with a rescore between them
+    # by hand: 1024 batched (the pool's size), a 32-token piece, then a rescore before each next piece
     b = _prefill_rescore_session(tiny, 0)
-    b.runtime.eval(np.asarray(ids[:576], dtype=np.int32))
-    for lo in (576, 640, 704):
-        b.rescore()
-        b.runtime.eval(np.asarray(ids[lo:lo + 64], dtype=np.int32))
+    recent = ((32 - 1 - 4 - 1) // 2 + 4 + 1) * 32
+    b.runtime.eval(np.asarray(ids[:1056], dtype=np.int32))
+    for lo in range(1056, len(ids), 32):
+        b.runtime.rescore(keep_recent=recent)
+        b.runtime.eval(np.asarray(ids[lo:lo + 32], dtype=np.int32))
     b._settle_prompt(ids)
-    ta, tb = a.pager.chunk_table(), b.pager.chunk_table()
-    assert np.array_equal(ta["block"], tb["block"])
+    assert np.array_equal(a.pager.chunk_table()["block"], b.pager.chunk_table()["block"])
     assert np.array_equal(a.logits(), b.logits())
-    assert a.stats["rescores"] == b.stats["rescores"] == 4   # three between pieces, the settling one
+    assert a.stats["rescores"] == b.stats["rescores"] == 16   # 15 between the 16 pieces, the settling one
     # without it only the settling rescore runs, and the pieces attend other chunks
     c = _prefill_rescore_session(tiny, 0)
     c.prefill(ids)
@@ -302,21 +304,24 @@ def test_prefill_rescore_scores_between_pooled_pieces(tiny):
     # every second piece
     d = _prefill_rescore_session(tiny, 2)
     d.prefill(ids)
-    assert d.stats["rescores"] == 2
+    assert d.stats["rescores"] == 8
     for s in (a, b, c, d):
         s.pager.check_invariants()
+    with pytest.raises(ValueError, match="keep_recent"):
+        a.runtime.rescore(keep_recent=-1)
 
 
 def test_prefill_rescore_is_checked_and_skipped_where_it_cannot_apply(tiny):
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="prefill_rescore"):
             _prefill_rescore_session(tiny, bad)
-    ids = _tokens(64 * 12, 8).tolist()
+    ids = _tokens(64 * 24, 8).tolist()
     # exact prefill attends every position: nothing to choose between pieces
     e = _prefill_rescore_session(tiny, 1, exact_prefill=True)
     e.prefill(ids)
     assert e.stats["rescores"] == 1
     # lru scores nothing
-    s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy="lru", threads=1, verbose=False, prefill_rescore=1)
+    s = kvflash.Session(tiny, max_ctx=4096, kvflash=1024, chunk_tokens=32, policy="lru", threads=1, verbose=False,
+                        prefill_rescore=1)
     s.prefill(ids)
     assert s.stats["rescores"] == 0

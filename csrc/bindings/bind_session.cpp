@@ -212,10 +212,14 @@ void bind_session(RuntimeClass &cls) {
                  InUse use(&r.busy);
                  nogil([&] { r.session->settle(); return 0; });
              }, "At a generation's end: exact-mode drafts not taken leave the cache.")
-        .def("rescore", [](PyRuntime &r) {
+        .def("rescore", [](PyRuntime &r, int64_t keep_recent) {
                  InUse use(&r.busy);
-                 return nogil([&] { return r.session->rescore(); });
-             }, "Score the chunks now and repage the pool; returns chunks moved.")
+                 if (keep_recent < 0) throw std::invalid_argument("rescore: keep_recent must be >= 0");
+                 return nogil([&] { return r.session->rescore(keep_recent); });
+             }, py::arg("keep_recent") = 0,
+             "Score the chunks now and repage the pool; returns chunks moved.  keep_recent: the chunks holding the "
+             "last keep_recent positions stay resident whatever they score (prefill_rescore's rescores keep "
+             "the recent half of the pool's evictable blocks).")
         .def("sample_last", [](PyRuntime &r, float temperature, int32_t top_k, float top_p, float min_p) {
                  InUse use(&r.busy);
                  return r.session->sample(sampling(temperature, top_k, top_p, min_p));

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -226,10 +227,16 @@ int32_t Session::prefill_(const int32_t *ids, int32_t n, const ProgressFn &progr
     if (cfg_.prefill_rescore > 0 && cfg_.scorer == Scorer::Qk && scored() && !opt.exact) {
         // Between pieces, once the prompt has outgrown the pool: the piece just read scores the chunks
         // (its queries are the capture window) and the best of them are paged in for the next pieces.
+        // Half the pool's evictable blocks stay the most recent chunks (a piece's local context),
+        // the other half go to the best-ranked chunks.
+        const PagerConfig &pc = rt_->pager().config();
+        const int64_t recent =
+            int64_t(std::max(0, rt_->pager().n_blocks() - pc.sink_chunks - pc.tail_window_chunks - 1) / 2 +
+                    pc.tail_window_chunks + 1) * rt_->config().chunk_tokens;
         int32_t pieces = 0;
-        opt.progress = [this, &progress, &pieces](int32_t done, int32_t total) {
+        opt.progress = [this, &progress, &pieces, recent](int32_t done, int32_t total) {
             if (done < total && rt_->pager().stats().host_chunks > 0 && ++pieces % cfg_.prefill_rescore == 0)
-                rescore();
+                rescore(recent);
             if (progress) progress(done, total);
         };
     }
@@ -442,7 +449,7 @@ void Session::settle() {
 
 // ---- scoring
 
-int32_t Session::rescore() {
+int32_t Session::rescore(int64_t keep_recent) {
     const int32_t n = n_chunks();
     if (n == 0 || cfg_.scorer == Scorer::None) return 0;
     const auto t0 = std::chrono::steady_clock::now();
@@ -465,6 +472,10 @@ int32_t Session::rescore() {
     if (have) {
         for (int32_t i = 0; i < n; ++i)
             if (std::isnan(scores[size_t(i)])) throw std::invalid_argument("the policy returned NaN scores");
+        if (keep_recent > 0) {
+            const int64_t C = rt_->config().chunk_tokens, first = std::max<int64_t>(0, rt_->n_past() - keep_recent) / C;
+            for (int64_t c = first; c < n; ++c) scores[size_t(c)] = std::numeric_limits<float>::infinity();
+        }
         moved = rt_->pager().reselect(scores.data(), n);
         last_scores_ = std::move(scores);
     }

@@ -53,9 +53,9 @@ struct SessionConfig {
     int32_t tau = 64;           // decoded tokens between rescores, at least
     int32_t reeval_tokens = 64; // a prompt's tail read again after its settling rescore
     // While a prompt is read over the pool: a qk rescore after every this many pooled pieces, so the
-    // next pieces attend the chunks the latest piece's own queries rank highest, not only the most
-    // recent ones (0: none, the settling rescore only).  Qk scorers only (they read no token list);
-    // no effect with exact prefill, whose pieces attend every position anyway.
+    // next pieces attend, beside the most recent half of the pool, the chunks the latest piece's own
+    // queries rank highest (0: none, the settling rescore only).  Qk scorers only (they read no token
+    // list); no effect with exact prefill, whose pieces attend every position anyway.
     int32_t prefill_rescore = 0;
     uint64_t seed = 0;
     bool exact = false;         // exact mode: speculative rounds verified over the whole context
@@ -178,8 +178,10 @@ public:
     // At a generation's end: exact-mode drafts the caller did not take leave the cache (the last
     // logits become the verified row after the last taken token).  No-op otherwise.
     void settle();
-    // Asks the scorer for chunk scores now and repages the pool; returns chunks moved.
-    int32_t rescore();
+    // Asks the scorer for chunk scores now and repages the pool; returns chunks moved.  keep_recent:
+    // the chunks holding the last keep_recent positions stay resident whatever they score (a prompt's
+    // pieces keep their local context while the rest of the pool is chosen).
+    int32_t rescore(int64_t keep_recent = 0);
     // Scores handed in (one per chunk, up to n_chunks(), no NaN): repages the pool.
     int32_t reselect(const float *scores, int32_t n);
 
