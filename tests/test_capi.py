@@ -418,7 +418,8 @@ class Params(ctypes.Structure):
                 ("qk_layers", ctypes.c_int32), ("max_host_bytes", ctypes.c_int64), ("qk_carry", ctypes.c_int32),
                 ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32),
                 ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32), ("drafter", ctypes.c_void_p),
-                ("drafter_layers", ctypes.c_int32), ("drafter_pool", ctypes.c_int32), ("drafter_queries", ctypes.c_int32)]
+                ("drafter_layers", ctypes.c_int32), ("drafter_pool", ctypes.c_int32), ("drafter_queries", ctypes.c_int32),
+                ("prefill_rescore", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -489,6 +490,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("QKS", refused(policy=b"qk", pool_tokens=512, qk_spread=300))
         print("QKL", refused(policy=b"qk", pool_tokens=512, qk_layers=-2))
         print("QKCA", refused(policy=b"qk", pool_tokens=512, qk_carry=-1))
+        print("PRE", refused(policy=b"qk", pool_tokens=512, prefill_rescore=-1))
+        v9 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_rescore.offset)  # API version 9
+        print("V9_OK", v9 is None, lib.kvflash_default_params().prefill_rescore)
         v4 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_carry.offset)  # API version 4
         print("V4_OK", v4 is None, lib.kvflash_default_params().qk_carry)
         v2 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_contrast.offset)  # API version 2
@@ -505,8 +509,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r'^POLICY .*policy must be "lru" or "qk"', out, re.M), out
     assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
-    assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out
-    for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry")):
+    assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out
+    for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry"),
+                       ("PRE", "prefill_rescore")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
 

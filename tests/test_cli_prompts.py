@@ -157,3 +157,14 @@ def test_chat_about_a_file_reads_it_before_the_first_question(small, tmp_path):
     assert r.stdout.startswith("> ")
     r = _kvflash("chat", "-m", small, "-t", "1", "--file", str(tmp_path / "missing.txt"), stdin="")
     assert r.returncode == 2 and r.stderr.strip().endswith("missing.txt: No such file or directory"), r.stderr
+
+
+def test_prefill_rescore_from_the_command_line(small, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    common = ["generate", "-m", small, "--kvflash", "512", "--kvflash-policy", "qk", "-t", "1", "-n", "2", "--temp",
+              "0", "-f", str(doc)]
+    assert cli.main([*common, "--kvflash-prefill-rescore", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "prefill_rescore must be an integer >= 0" in err and err.startswith("kvflash: ") and "\n" not in err, err
+    assert cli.main([*common, "--kvflash-prefill-rescore", "1"]) == 0

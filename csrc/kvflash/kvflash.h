@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 9
+#define KVFLASH_API_VERSION 10
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -109,6 +109,10 @@ struct kvflash_params {
                                    first full-attention layer) */
     int32_t drafter_pool;       /* the drafter's own pool in tokens (1024; 0: a full cache) */
     int32_t drafter_queries;    /* the drafter's latest queries that score (16) */
+    /* -- since API version 10 -- */
+    int32_t prefill_rescore;    /* qk policies: rescore every N pooled pieces while a prompt is read, so
+                                   later pieces attend the best-ranked chunks beside the recent half of the
+                                   pool (0: off, the default; ignored with exact_prefill) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

@@ -179,6 +179,7 @@ kvflash_params kvflash_default_params(void) {
     p.drafter_layers = 0;
     p.drafter_pool = 1024;
     p.drafter_queries = 16;
+    p.prefill_rescore = 0;
     p.exact = 0;
     p.exact_prefill = 0;
     p.exact_draft = -1;
@@ -325,6 +326,10 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         }
         sc.tau = p.tau;
         sc.reeval_tokens = p.reeval_tokens;
+        if (p.prefill_rescore < 0)
+            throw std::invalid_argument("params.prefill_rescore must be >= 0 (pooled prefill pieces between rescores; "
+                                        "0: off), got " + std::to_string(p.prefill_rescore));
+        sc.prefill_rescore = p.prefill_rescore;
         sc.seed = p.seed;
         if ((p.exact != 0 && p.exact != 1) || (p.exact_prefill != 0 && p.exact_prefill != 1))
             throw std::invalid_argument("params.exact and params.exact_prefill must be 0 or 1");
