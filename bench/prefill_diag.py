@@ -14,6 +14,8 @@ Modes (comma list, `--modes`):
   pool:pN     Session(prefill_rescore=N): the core rescores every N pooled pieces while it reads the prompt
   pool:xN     (the Python prototype of pool:p1) the pooled prefill read N tokens at a time, each piece followed by a qk rescore (its own last
               queries choose the residents the next piece attends; one token re-read), then the settle
+  pool:nM     the pooled prefill with exact prefill switched on only for the target needle sentences' chunks
+              and M tokens either side (is it the needle's own K/V the pooled prefill loses?)
   exact       exact prefill (every position attended, the host store read in place)
 
     python bench/prefill_diag.py --task multikey --context 4096 --residency 16 --trials 0,1,2,3 \
@@ -109,6 +111,18 @@ def main() -> None:
                     s.reeval_tokens = opt.get("r", 64)
                     s.policy = QKPolicy()
                     s.prefill(tr.ids)
+                elif "n" in opt:
+                    C = s.chunk_tokens
+                    cs = [c for x in tr.needles for c in passkey_chunks(s, tr.ids, x)]
+                    lo, hi = max(0, min(cs) * C - opt["n"]), min(len(tr.ids) - 1, (max(cs) + 1) * C + opt["n"])
+                    s.reeval_tokens = opt.get("r", 64)
+                    s.policy = LRUPolicy()
+                    for part, exact in ((tr.ids[:lo], False), (tr.ids[lo:hi], True), (tr.ids[hi:], False)):
+                        s.exact_prefill = exact
+                        s._configure_core()
+                        s.prefill(part)
+                    s.policy = QKPolicy()
+                    s._settle_prompt(tr.ids)
                 elif "x" in opt:
                     # piece by piece under qk, each piece's settle rescoring and re-reading one token
                     s.policy = QKPolicy()
