@@ -57,7 +57,7 @@ void bind_scoring(RuntimeClass &cls) {
                  return out;
              }, "Per position: attention paid by the captured queries (mean over them), max over heads and layers.")
         .def("history_attention", [](PyRuntime &r, int32_t n_threads, bool per_chunk, py::object groups_obj,
-                                     int32_t q_first, int32_t q_count, int32_t n_layers) {
+                                     int32_t q_first, int32_t q_count, int32_t n_layers, bool on_device) {
                  InUse use(&r.busy);
                  const int64_t C = r.rt->config().chunk_tokens;
                  int64_t n = per_chunk ? (r.rt->n_past() + C - 1) / C : r.rt->n_past();
@@ -76,17 +76,32 @@ void bind_scoring(RuntimeClass &cls) {
                  {
                      py::gil_scoped_release nogil;
                      history_attention(*r.rt, out.mutable_data(), n, n_threads, per_chunk,
-                                       groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count, n_layers);
+                                       groups_obj.is_none() ? nullptr : groups.data(), q_first, q_count, n_layers,
+                                       on_device);
                  }
                  return out;
              }, py::arg("n_threads") = 0, py::arg("per_chunk") = false, py::arg("groups") = py::none(),
-             py::arg("q_first") = 0, py::arg("q_count") = -1, py::arg("n_layers") = 0,
+             py::arg("q_first") = 0, py::arg("q_count") = -1, py::arg("n_layers") = 0, py::arg("on_device") = true,
              "Like attention_scores, over the whole history: paged-out keys are read from the host store.  "
              "per_chunk=True: one score per chunk, the attention mass it receives per layer and head "
              "(summed over its positions), max over heads and layers.  groups (int array, one entry per position, "
              "negative: none) does the same for arbitrary groups; the result has max(groups) + 1 entries.  q_first, "
              "q_count: only those captured queries (capture order, oldest first; q_count -1: the rest).  n_layers > 0: "
-             "only the first n_layers paged layers (0: all).")
+             "only the first n_layers paged layers (0: all).  A GPU runtime scores its pool's resident keys on its device "
+             "(stock ggml ops, buffers reserved at the first call; device_scoring says what), the host-store rows here; "
+             "on_device=False reads the resident keys back and scores them here (per_chunk and groups always do).")
+        .def_property_readonly("device_scoring", [](PyRuntime &r) {
+                 InUse use(&r.busy);
+                 const DeviceScoringInfo i = device_scoring_info(*r.rt);
+                 py::dict d;
+                 d["bytes"] = i.bytes;
+                 d["slots"] = i.slots;
+                 d["queries"] = i.queries;
+                 d["unusable"] = i.unusable;
+                 return d;
+             }, "A GPU runtime's history scoring on its device: {'bytes': device bytes reserved (0: none yet, or the "
+                "device cannot score), 'slots', 'queries': what they were reserved for, 'unusable': why the device "
+                "cannot score ('' when it can)}.")
         .def_property_readonly("n_paged_layers", [](PyRuntime &r) { return r.rt->pool().n_layers(); },
                                "Layers whose K/V the pool holds (gemma3: its global layers only).")
         .def("qk_peak_scores", [](PyRuntime &r, int32_t n_chunks, int32_t n_queries, int32_t contrast, int32_t spread,

@@ -196,6 +196,14 @@ public:
     // buffers per context and crashed lavapipe when they grew after another runtime's buffers were freed).
     ggml_backend_t backend() const { return backend_; }
 
+    // What a scorer keeps beside the runtime, freed with it and before its backend: a GPU runtime's
+    // history scoring keeps its inputs and compute buffers here, reserved at the first rescore for the
+    // largest one (scoring.cpp, DeviceScoring).  Used under the runtime's one-caller rule.
+    struct ScorerState {
+        virtual ~ScorerState() = default;
+    };
+    std::unique_ptr<ScorerState> &scorer_state() const { return scorer_state_; }
+
 private:
     friend class Snapshot;   // snapshot.cpp: n_past and the captured queries
     struct Graph;
@@ -222,6 +230,7 @@ private:
     // other sizes reuse the buffer instead of freeing and allocating device memory per shape.
     struct AllocFree { void operator()(ggml_gallocr_t a) const { ggml_gallocr_free(a); } };
     std::unique_ptr<std::remove_pointer_t<ggml_gallocr_t>, AllocFree> dev_alloc_[2];
+    mutable std::unique_ptr<ScorerState> scorer_state_;   // (after own_backend_: freed before it)
     int graph_slot_ = -1;      // the slot get_graph is building for (-1: none)
     bool reserving_ = false;   // building a slot's worst case: finish_graph checks it and allocates nothing
     bool full_cache_ = false;

@@ -166,35 +166,239 @@ void gather_history_rows(const Runtime &rt, int32_t il, int32_t n_chunks, int64_
     }
 }
 
-// ---- the remote share: a layer whose pool slice is on an RPC server (Model::remote_layers)
+// ---- the device share: layers whose K rows are not in this process's memory -- a pool slice on an RPC
+// server (Model::remote_layers), or a GPU runtime's pool (the runtime's own backend) -- scored where they are
 //
-// The softmax of a query head runs over the whole history, part resident on the server, part in the
-// client's host store.  Round 1: the server computes, per (query, head), the max and the sum of exps of
-// its resident slots' logits (stock ops: the K rows cast to f32, one product, a max pool, exp, row sums)
-// and returns those two numbers; the client computes the same for its host-store rows, and merges them
-// into the history's max M and normaliser Z.  Round 2: the server sends, per resident slot, the max over
-// heads of sum_i exp(logit - M) / Z / n_queries (the score history_attention gives a token), and the client
-// computes it for its rows.  Per layer the wire carries the queries and a visibility mask up and a few
-// floats per query head and one per slot down, never the keys.  The logits are f32 dot products of
-// dequantized keys as on the client, summed in ggml's order: scores agree with the local path to float
+// The softmax of a query head runs over the whole history, part resident on the device, part in the
+// host store.  Round 1: the device computes, per (query, head), the max and the sum of exps of its
+// resident slots' logits (stock ops: the K rows cast to f32, one product, a max pool, exp, row sums)
+// and returns those two numbers; the host computes the same for its host-store rows, and merges them
+// into the history's max M and normaliser Z.  Round 2: the device sends, per resident slot, the max over
+// heads of sum_i exp(logit - M) / Z / n_queries (the score history_attention gives a token), and the host
+// computes it for its rows.  Per layer the device gets the queries and a visibility mask and gives back a
+// few floats per query head and one per slot, never the keys.  The logits are f32 dot products of
+// dequantized keys as on the host, summed in the device's order: scores agree with the host path to float
 // rounding, not bit for bit.
-struct RemoteShare {
-    const Runtime &rt;
-    ggml_backend_t backend;
-    ggml_backend_buffer_type_t buft;
-    std::vector<int32_t> layers;   // paged layer indices on this server
+
+struct BufFree {
+    void operator()(ggml_backend_buffer_t b) const { ggml_backend_buffer_free(b); }
+};
+struct AllocFree {
+    void operator()(ggml_gallocr_t a) const { ggml_gallocr_free(a); }
+};
+using AllocPtr = std::unique_ptr<std::remove_pointer_t<ggml_gallocr_t>, AllocFree>;
+using CtxPtr = std::unique_ptr<ggml_context, void (*)(ggml_context *)>;
+
+// A share's inputs in its device's memory, for up to S_cap resident slots and nq_cap queries: the mask
+// [S, nq] (0 visible, -1e30 not) and, per pool layer of the share, the queries [D, nq, H], the history's
+// max M and 1 / (Z nq) [1, nq, H].  A call with fewer writes their first elements and views them.
+struct ShareInputs {
+    CtxPtr ctx{nullptr, ggml_free};
+    std::unique_ptr<ggml_backend_buffer, BufFree> buf;
+    ggml_tensor *mask = nullptr;
+    std::vector<ggml_tensor *> q, m, w;   // by pool layer (nullptr: not in the share)
+    int32_t S_cap = 0, nq_cap = 0;
 };
 
-void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_count, int64_t n_pos,
-                              const std::vector<size_t> &host_off, float *out, int64_t n_out) {
-    const Runtime &rt = rs.rt;
+ShareInputs share_inputs(const Runtime &rt, ggml_backend_buffer_type_t buft, const std::vector<int32_t> &layers,
+                         int32_t S_cap, int32_t nq_cap) {
+    const Hparams &hp = rt.model().hparams();
+    const int32_t D = hp.head_dim_k, H = hp.n_head;
+    ShareInputs in;
+    in.S_cap = S_cap;
+    in.nq_cap = nq_cap;
+    ggml_init_params ip{ggml_tensor_overhead() * (3 * layers.size() + 2), nullptr, true};
+    in.ctx.reset(ggml_init(ip));
+    if (!in.ctx) throw std::runtime_error("device scoring: ggml_init failed");
+    in.mask = ggml_new_tensor_3d(in.ctx.get(), GGML_TYPE_F32, S_cap, nq_cap, 1);
+    const size_t L = size_t(rt.pool().n_layers());
+    in.q.assign(L, nullptr);
+    in.m.assign(L, nullptr);
+    in.w.assign(L, nullptr);
+    for (int32_t il : layers) {
+        in.q[size_t(il)] = ggml_new_tensor_3d(in.ctx.get(), GGML_TYPE_F32, D, nq_cap, H);
+        in.m[size_t(il)] = ggml_new_tensor_3d(in.ctx.get(), GGML_TYPE_F32, 1, nq_cap, H);
+        in.w[size_t(il)] = ggml_new_tensor_3d(in.ctx.get(), GGML_TYPE_F32, 1, nq_cap, H);
+    }
+    in.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(in.ctx.get(), buft));
+    if (!in.buf) throw std::runtime_error("device scoring: the device could not allocate the queries");
+    return in;
+}
+
+// Input t seen as [a, b, c] (its first a*b*c elements); a view even at its own shape, so the graph of the
+// largest call (a reservation's) has the nodes of every smaller one.
+ggml_tensor *input_as(ggml_context *ctx, ggml_tensor *t, int64_t a, int64_t b, int64_t c) {
+    return ggml_view_3d(ctx, t, a, b, c, size_t(a) * sizeof(float), size_t(a * b) * sizeof(float), 0);
+}
+
+// A round's outputs for S resident slots and nq queries, per layer of the share in order.  Round 0: per
+// (query, head) the resident slots' max and sum of exps (two outputs a layer, [1, nq, H]); round 1: per
+// resident slot the max over heads of the queries' mean probability ([1, S]).  A CPU (an RPC server's) takes
+// one product per head, the queries [D, nq, H], the keys dotted in place in f32.  gpu: one-column products,
+// the queries [D, 1, H nq], over each KV head's keys copied into rows of their own: what a GPU computes in
+// f32 (ggml-vulkan's matrix kernels round both operands to f16 on a device with f16 arithmetic and take a
+// strided operand through f16 on any; its one-column kernel reads f32).
+std::vector<ggml_tensor *> build_share_round(ggml_context *ctx, int round, const Runtime &rt, const ShareInputs &in,
+                                             const std::vector<int32_t> &layers, int32_t S, int32_t nq, bool gpu) {
+    const Hparams &hp = rt.model().hparams();
+    const int32_t D = hp.head_dim_k, H = hp.n_head, Hkv = hp.n_head_kv;
+    ggml_tensor *mask = input_as(ctx, in.mask, S, nq, 1);
+    // the masked, scaled logits of layer il: [S, nq, H]
+    auto logits = [&](int32_t il) {
+        ggml_tensor *k = rt.pool().k(il);
+        ggml_tensor *k32 = ggml_cast(ctx, ggml_view_2d(ctx, k, k->ne[0], S, k->nb[1], 0), GGML_TYPE_F32);   // [D Hkv, S]
+        ggml_tensor *k3 = ggml_view_3d(ctx, k32, D, S, Hkv, k32->nb[1], size_t(D) * sizeof(float), 0);
+        if (gpu && Hkv > 1) k3 = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, k32, D, Hkv, S), 0, 2, 1, 3));
+        // gpu: a column a (head, query), [D, 1, H nq]: batch h nq + i takes KV head (h nq + i) / (G nq) = h / G
+        ggml_tensor *q = input_as(ctx, in.q[size_t(il)], D, gpu ? 1 : nq, gpu ? int64_t(H) * nq : H);
+        ggml_tensor *kq = ggml_mul_mat(ctx, k3, q);
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        if (gpu) kq = ggml_reshape_3d(ctx, kq, S, nq, H);   // [S, 1, H nq] is [S, nq, H] in memory
+        return ggml_add(ctx, ggml_scale(ctx, kq, hp.attn_scale), mask);
+    };
+    std::vector<ggml_tensor *> o;
+    for (int32_t il : layers) {
+        if (round == 0) {
+            ggml_tensor *ms = logits(il);
+            ggml_tensor *m = ggml_pool_1d(ctx, ggml_reshape_2d(ctx, ms, S, int64_t(nq) * H), GGML_OP_POOL_MAX, S, S, 0);
+            ggml_tensor *e = ggml_exp(ctx, ggml_sub(ctx, ms, ggml_reshape_3d(ctx, m, 1, nq, H)));
+            o.push_back(m);
+            o.push_back(ggml_sum_rows(ctx, e));
+        } else {
+            ggml_tensor *M = input_as(ctx, in.m[size_t(il)], 1, nq, H), *W = input_as(ctx, in.w[size_t(il)], 1, nq, H);
+            ggml_tensor *p = ggml_mul(ctx, ggml_exp(ctx, ggml_sub(ctx, logits(il), M)), W);            // [S, nq, H]
+            ggml_tensor *ps = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3)));  // [1, S, H]
+            ggml_tensor *ph = ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, ps, S, H)));     // [H, S]
+            o.push_back(ggml_pool_1d(ctx, ph, GGML_OP_POOL_MAX, H, H, 0));                             // [1, S]
+        }
+    }
+    return o;
+}
+
+size_t share_max_nodes(size_t n_layers) { return 32 * n_layers + 16; }
+
+// A round's graph in a context of its own over the metadata buffer meta.
+ggml_cgraph *share_graph(std::vector<uint8_t> &meta, CtxPtr &ctx, int round, const Runtime &rt, const ShareInputs &in,
+                         const std::vector<int32_t> &layers, int32_t S, int32_t nq, bool gpu, std::vector<ggml_tensor *> &outs) {
+    const size_t max_nodes = share_max_nodes(layers.size());
+    meta.resize(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
+    ggml_init_params gp{meta.size(), meta.data(), true};
+    ctx.reset(ggml_init(gp));
+    if (!ctx) throw std::runtime_error("device scoring: ggml_init failed");
+    ggml_cgraph *gf = ggml_new_graph_custom(ctx.get(), max_nodes, false);
+    outs = build_share_round(ctx.get(), round, rt, in, layers, S, nq, gpu);
+    for (ggml_tensor *t : outs) {
+        ggml_set_output(t);
+        ggml_build_forward_expand(gf, t);
+    }
+    return gf;
+}
+
+// Where a share's rounds run: the device, its inputs, and per round an allocator reserved beforehand
+// (a GPU runtime's) or none (an RPC server's: one made for the graph, nodes checked against the list).
+struct ShareDevice {
+    ggml_backend_t backend;
+    ggml_backend_buffer_type_t buft;
+    const ShareInputs *in;
+    ggml_gallocr_t alloc[2];
+    bool rpc;
+};
+
+// A GPU runtime's share: its inputs and both rounds' compute buffers, reserved once at the first
+// rescore for every slot of the pool and the capture window's queries over every paged layer on the
+// device, and kept with the runtime (Runtime::scorer_state), so a rescore allocates and frees no device
+// memory: per-call buffers on the runtime's context crashed Debian 12's lavapipe (ggml-vulkan's scratch
+// buffers regrown after other buffers of the context were freed; runtime.h, backend()).
+struct DeviceScoring final : Runtime::ScorerState {
+    std::vector<int32_t> layers;   // pool layers in the device's memory
+    ShareInputs in;
+    AllocPtr alloc[2];
+    std::string unusable;          // why the device cannot score (an op it lacks, memory): the host reads its keys
+};
+
+// The pool layers a GPU runtime's device holds (not host memory, not an RPC server's).
+std::vector<int32_t> device_layers(const Runtime &rt) {
+    std::vector<int32_t> ls;
+    for (int32_t il = 0; il < rt.pool().n_layers(); ++il)
+        if (!rt.pool().layer_host_accessible(il) && rt.model().layer_remote(rt.pool().layer(il).layer) < 0) ls.push_back(il);
+    return ls;
+}
+
+// The runtime's device scoring, reserved for nq queries or more (anew when nq outgrows it); nullptr when
+// the device cannot score (unusable says why).
+DeviceScoring *device_scoring(const Runtime &rt, int32_t nq) {
+    auto &state = rt.scorer_state();
+    auto *ds = dynamic_cast<DeviceScoring *>(state.get());
+    if (ds && !ds->unusable.empty()) return nullptr;
+    if (ds && nq <= ds->in.nq_cap) return ds;
+    state.reset();   // the smaller reservation goes before the larger one is made
+    auto fresh = std::make_unique<DeviceScoring>();
+    fresh->layers = device_layers(rt);
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(rt.backend());
+    const int32_t S_cap = rt.pool().pool_tokens(), nq_cap = std::max(nq, rt.config().capture_queries);
+    try {
+        fresh->in = share_inputs(rt, buft, fresh->layers, S_cap, nq_cap);
+        for (int round = 0; round < 2 && fresh->unusable.empty(); ++round) {
+            std::vector<uint8_t> meta;
+            CtxPtr ctx(nullptr, ggml_free);
+            std::vector<ggml_tensor *> outs;
+            ggml_cgraph *gf = share_graph(meta, ctx, round, rt, fresh->in, fresh->layers, S_cap, nq_cap, true, outs);
+            for (int i = 0; i < ggml_graph_n_nodes(gf) && fresh->unusable.empty(); ++i)
+                if (!ggml_backend_supports_op(rt.backend(), ggml_graph_node(gf, i)))
+                    fresh->unusable = std::string("the device cannot run ") + ggml_op_desc(ggml_graph_node(gf, i));
+            if (!fresh->unusable.empty()) break;
+            fresh->alloc[round].reset(ggml_gallocr_new(buft));
+            if (!ggml_gallocr_reserve(fresh->alloc[round].get(), gf))
+                fresh->unusable = "cannot reserve the scoring graphs' compute buffer on the device";
+        }
+    } catch (const std::exception &e) {
+        fresh->unusable = e.what();
+    }
+    if (!fresh->unusable.empty()) {   // keep the reason, not the buffers
+        fresh->in = ShareInputs{};
+        fresh->alloc[0].reset();
+        fresh->alloc[1].reset();
+    }
+    ds = fresh.get();
+    state = std::move(fresh);
+    return ds->unusable.empty() ? ds : nullptr;
+}
+
+// One round computed on the share's device (the caller holds the model's compute lock), its outputs read back.
+std::vector<std::vector<float>> run_share_round(const ShareDevice &dev, int round, const Runtime &rt,
+                                                const std::vector<int32_t> &layers, int32_t S, int32_t nq) {
+    std::vector<uint8_t> meta;
+    CtxPtr ctx(nullptr, ggml_free);
+    std::vector<ggml_tensor *> outs;
+    ggml_cgraph *gf = share_graph(meta, ctx, round, rt, *dev.in, layers, S, nq, !dev.rpc, outs);
+    if (dev.rpc) check_rpc_graph(gf);   // stock ops only
+    AllocPtr own;
+    ggml_gallocr_t ga = dev.alloc[round];
+    if (!ga) {
+        own.reset(ggml_gallocr_new(dev.buft));
+        ga = own.get();
+    }
+    if (!ggml_gallocr_alloc_graph(ga, gf)) throw std::runtime_error("device scoring: cannot allocate the graph");
+    if (ggml_backend_graph_compute(dev.backend, gf) != GGML_STATUS_SUCCESS)
+        throw std::runtime_error("device scoring: graph compute failed");
+    std::vector<std::vector<float>> got;
+    for (ggml_tensor *t : outs) {
+        got.emplace_back(size_t(ggml_nelements(t)));
+        ggml_backend_tensor_get(t, got.back().data(), 0, ggml_nbytes(t));
+    }
+    return got;
+}
+
+void share_history_attention(const Runtime &rt, const ShareDevice &dev, const std::vector<int32_t> &layers,
+                             int32_t q_first, int32_t q_count, int64_t n_pos, const std::vector<size_t> &host_off,
+                             float *out, int64_t n_out) {
     const Hparams &hp = rt.model().hparams();
     const Pager &pg = rt.pager();
     const KVPool &pool = rt.pool();
     const int32_t D = hp.head_dim_k, H = hp.n_head, G = H / hp.n_head_kv, C = rt.config().chunk_tokens;
     const int32_t nq = q_count, nc = rt.n_captured(), S = pg.used_extent();
     const float scale = hp.attn_scale, ninf = -std::numeric_limits<float>::infinity();
-    const size_t NL = rs.layers.size(), QH = size_t(nq) * H;
+    const size_t NL = layers.size(), QH = size_t(nq) * H;
     std::vector<int64_t> qpos(nq);
     for (int32_t i = 0; i < nq; ++i) qpos[i] = rt.n_past() - nc + q_first + i;
     // resident slots: their positions and the mask (0 visible, -1e30 not), [nq][S]
@@ -219,21 +423,21 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
     // queries of each layer as [H][nq][D] (ggml [D, nq, H]: heads outermost, for the product's broadcast)
     std::vector<std::vector<float>> qs(NL, std::vector<float>(QH * D));
     for (size_t l = 0; l < NL; ++l) {
-        const float *q = rt.captured_queries().data() + (size_t(rs.layers[l]) * nc + q_first) * H * D;
+        const float *q = rt.captured_queries().data() + (size_t(layers[l]) * nc + q_first) * H * D;
         for (int32_t i = 0; i < nq; ++i)
             for (int32_t h = 0; h < H; ++h)
                 std::memcpy(&qs[l][(size_t(h) * nq + i) * D], q + (size_t(i) * H + h) * D, size_t(D) * sizeof(float));
     }
-    // the client's rows: logits [row][h][i] (scaled; -inf where the query does not see the row), partials
+    // the host's rows: logits [row][h][i] (scaled; -inf where the query does not see the row), partials
     std::vector<std::vector<float>> hlog(NL);
     std::vector<float> mh(NL * QH, ninf), Zh(NL * QH, 0.f);
     std::vector<float> krow(size_t(hp.n_embd_k()));
     for (size_t l = 0; l < NL; ++l) {
-        const ggml_tensor *k = pool.k(rs.layers[l]);
+        const ggml_tensor *k = pool.k(layers[l]);
         const auto *tr = ggml_get_type_traits(k->type);
         hlog[l].assign(hrows.size() * QH, ninf);
         for (size_t r = 0; r < hrows.size(); ++r) {
-            const uint8_t *row = hrows[r].chunk + host_off[size_t(rs.layers[l])] + size_t(hrows[r].j) * k->nb[1];
+            const uint8_t *row = hrows[r].chunk + host_off[size_t(layers[l])] + size_t(hrows[r].j) * k->nb[1];
             if (k->type == GGML_TYPE_F32) std::memcpy(krow.data(), row, krow.size() * sizeof(float));
             else tr->to_float(row, krow.data(), int64_t(krow.size()));
             for (int32_t h = 0; h < H; ++h)
@@ -253,76 +457,22 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
     }
     // the layers' attention sinks (gpt-oss), one more term in each head's normaliser: [layer][h]
     std::vector<std::vector<float>> sinks(NL);
-    for (size_t l = 0; l < NL; ++l) sinks[l] = layer_sinks(rt, rs.layers[l]);
+    for (size_t l = 0; l < NL; ++l) sinks[l] = layer_sinks(rt, layers[l]);
     auto sink_term = [&](size_t l, size_t a, float M) {
         return sinks[l].empty() ? 0.f : std::exp(sinks[l][a / size_t(nq)] - M);   // a = h * nq + i
     };
     std::vector<float> Mg(NL * QH, 0.f), Winv(NL * QH, 0.f);
-    std::vector<float> dev_scores;
     if (S > 0) {
-        // inputs on the server: the mask, and per layer the queries, the history's max and 1 / (Z * nq)
-        ggml_init_params ip{ggml_tensor_overhead() * (3 * NL + 2), nullptr, true};
-        std::unique_ptr<ggml_context, void (*)(ggml_context *)> cin(ggml_init(ip), ggml_free);
-        if (!cin) throw std::runtime_error("remote scoring: ggml_init failed");
-        ggml_tensor *tmask = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, S, nq, 1);
-        std::vector<ggml_tensor *> tq(NL), tm(NL), tw(NL);
-        for (size_t l = 0; l < NL; ++l) {
-            tq[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, D, nq, H);
-            tm[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, 1, nq, H);
-            tw[l] = ggml_new_tensor_3d(cin.get(), GGML_TYPE_F32, 1, nq, H);
-        }
-        struct BufFree { void operator()(ggml_backend_buffer_t b) const { ggml_backend_buffer_free(b); } };
-        std::unique_ptr<ggml_backend_buffer, BufFree> bin(ggml_backend_alloc_ctx_tensors_from_buft(cin.get(), rs.buft));
-        if (!bin) throw std::runtime_error("remote scoring: the server could not allocate the queries");
-        std::lock_guard<std::mutex> lock(rt.model().compute_mutex());   // the server's connection is the model's
-        ggml_backend_tensor_set(tmask, mask.data(), 0, ggml_nbytes(tmask));
-        for (size_t l = 0; l < NL; ++l) ggml_backend_tensor_set(tq[l], qs[l].data(), 0, ggml_nbytes(tq[l]));
-        // the masked, scaled logits of layer l: [S, nq, H]
-        auto logits = [&](ggml_context *ctx, size_t l) {
-            ggml_tensor *k = pool.k(rs.layers[l]);
-            ggml_tensor *k32 = ggml_cast(ctx, ggml_view_2d(ctx, k, k->ne[0], S, k->nb[1], 0), GGML_TYPE_F32);
-            ggml_tensor *k3 = ggml_view_3d(ctx, k32, D, S, hp.n_head_kv, k32->nb[1], size_t(D) * sizeof(float), 0);
-            return ggml_add(ctx, ggml_scale(ctx, ggml_mul_mat(ctx, k3, tq[l]), scale), tmask);
-        };
-        const size_t max_nodes = 32 * NL + 16;
-        auto run = [&](auto &&build) {
-            std::vector<uint8_t> meta(ggml_tensor_overhead() * max_nodes + ggml_graph_overhead_custom(max_nodes, false));
-            ggml_init_params gp{meta.size(), meta.data(), true};
-            std::unique_ptr<ggml_context, void (*)(ggml_context *)> ctx(ggml_init(gp), ggml_free);
-            ggml_cgraph *gf = ggml_new_graph_custom(ctx.get(), max_nodes, false);
-            std::vector<ggml_tensor *> outs = build(ctx.get());
-            for (ggml_tensor *t : outs) {
-                ggml_set_output(t);
-                ggml_build_forward_expand(gf, t);
-            }
-            check_rpc_graph(gf);   // stock ops only
-            std::unique_ptr<std::remove_pointer_t<ggml_gallocr_t>, void (*)(ggml_gallocr_t)> ga(ggml_gallocr_new(rs.buft),
-                                                                                                ggml_gallocr_free);
-            if (!ggml_gallocr_alloc_graph(ga.get(), gf)) throw std::runtime_error("remote scoring: cannot allocate the graph");
-            if (ggml_backend_graph_compute(rs.backend, gf) != GGML_STATUS_SUCCESS)
-                throw std::runtime_error("remote scoring: graph compute failed");
-            std::vector<std::vector<float>> got;
-            for (ggml_tensor *t : outs) {
-                got.emplace_back(size_t(ggml_nelements(t)));
-                ggml_backend_tensor_get(t, got.back().data(), 0, ggml_nbytes(t));
-            }
-            return got;
-        };
+        const ShareInputs &in = *dev.in;
+        // one graph at a time on the model's backends (an RPC server's connection is the model's)
+        std::lock_guard<std::mutex> lock(rt.model().compute_mutex());
+        ggml_backend_tensor_set(in.mask, mask.data(), 0, size_t(S) * nq * sizeof(float));
+        for (size_t l = 0; l < NL; ++l) ggml_backend_tensor_set(in.q[size_t(layers[l])], qs[l].data(), 0, QH * D * sizeof(float));
         // round 1: per (query, head) the resident slots' max and sum of exps
-        auto r1 = run([&](ggml_context *ctx) {
-            std::vector<ggml_tensor *> o;
-            for (size_t l = 0; l < NL; ++l) {
-                ggml_tensor *ms = logits(ctx, l);
-                ggml_tensor *m = ggml_pool_1d(ctx, ggml_reshape_2d(ctx, ms, S, int64_t(QH)), GGML_OP_POOL_MAX, S, S, 0);
-                ggml_tensor *e = ggml_exp(ctx, ggml_sub(ctx, ms, ggml_reshape_3d(ctx, m, 1, nq, H)));
-                o.push_back(m);
-                o.push_back(ggml_sum_rows(ctx, e));
-            }
-            return o;
-        });
+        const auto r1 = run_share_round(dev, 0, rt, layers, S, nq);
         for (size_t l = 0; l < NL; ++l)
             for (size_t a = 0; a < QH; ++a) {
-                // [1, nq, H] in memory is [h][i]: a = h * nq + i, as the client's partials
+                // [1, nq, H] in memory is [h][i]: a = h * nq + i, as the host's partials
                 const float md = any_dev[a] ? r1[2 * l][a] : ninf, Zd = any_dev[a] ? r1[2 * l + 1][a] : 0.f;
                 const float M = std::max(md, mh[l * QH + a]);
                 if (M == ninf) continue;   // this query sees no key of the history in this layer
@@ -332,20 +482,11 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
                 Winv[l * QH + a] = Z > 0 ? 1.f / Z / float(nq) : 0.f;
             }
         for (size_t l = 0; l < NL; ++l) {
-            ggml_backend_tensor_set(tm[l], &Mg[l * QH], 0, QH * sizeof(float));
-            ggml_backend_tensor_set(tw[l], &Winv[l * QH], 0, QH * sizeof(float));
+            ggml_backend_tensor_set(in.m[size_t(layers[l])], &Mg[l * QH], 0, QH * sizeof(float));
+            ggml_backend_tensor_set(in.w[size_t(layers[l])], &Winv[l * QH], 0, QH * sizeof(float));
         }
         // round 2: per resident slot, the max over heads of the queries' mean probability
-        auto r2 = run([&](ggml_context *ctx) {
-            std::vector<ggml_tensor *> o;
-            for (size_t l = 0; l < NL; ++l) {
-                ggml_tensor *p = ggml_mul(ctx, ggml_exp(ctx, ggml_sub(ctx, logits(ctx, l), tm[l])), tw[l]);   // [S, nq, H]
-                ggml_tensor *ps = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3)));      // [1, S, H]
-                ggml_tensor *ph = ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, ps, S, H)));         // [H, S]
-                o.push_back(ggml_pool_1d(ctx, ph, GGML_OP_POOL_MAX, H, H, 0));                                 // [1, S]
-            }
-            return o;
-        });
+        const auto r2 = run_share_round(dev, 1, rt, layers, S, nq);
         for (size_t l = 0; l < NL; ++l)
             for (int32_t s = 0; s < S; ++s) {
                 const int64_t pos = sp[size_t(s)];
@@ -359,7 +500,7 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
                     Winv[l * QH + a] = 1.f / (Zh[l * QH + a] + sink_term(l, a, mh[l * QH + a])) / float(nq);
                 }
     }
-    // the client's rows with the merged normalisers
+    // the host's rows with the merged normalisers
     for (size_t l = 0; l < NL; ++l)
         for (size_t r = 0; r < hrows.size(); ++r) {
             float best = 0.f;
@@ -379,7 +520,7 @@ void remote_history_attention(const RemoteShare &rs, int32_t q_first, int32_t q_
 }  // namespace
 
 void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threads, bool per_chunk,
-                       const int32_t *groups, int32_t q_first, int32_t q_count, int32_t n_layers) {
+                       const int32_t *groups, int32_t q_first, int32_t q_count, int32_t n_layers, bool keys_on_device) {
     const int32_t nc = rt.n_captured();
     if (nc == 0) throw std::invalid_argument("history_attention: no query captured yet");
     if (q_count < 0) q_count = nc - q_first;
@@ -405,28 +546,51 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
     std::vector<int64_t> qpos(q_count);
     for (int32_t i = 0; i < q_count; ++i) qpos[i] = n_past - nc + q_first + i;
 
-    // Token scores of layers whose pool slice is on an RPC server are computed there (the keys stay on the
-    // server: remote_history_attention); the rest from rows read here.
-    std::vector<int32_t> local;
-    std::vector<RemoteShare> remote;
+    // Token scores of layers whose K rows are on a device -- an RPC server's pool slice, a GPU runtime's pool --
+    // are computed there (share_history_attention: the keys stay where they are); the rest from rows read
+    // here.  Per-chunk and grouped scores (the drafter's bridge, qk's chunk aggregate) read every key here.
+    std::vector<int32_t> local, on_device;
+    struct Remote { ggml_backend_t backend; ggml_backend_buffer_type_t buft; std::vector<int32_t> layers; };
+    std::vector<Remote> remote;
     const Model &model = rt.model();
-    // A GPU's pool is read here like a local one (tensor get of the resident rows): scoring it on the device
-    // with this path's per-call buffers crashed lavapipe (issue 39's note), so that waits for reserved ones.
     for (int32_t il = 0; il < L; ++il) {
         const int32_t r = model.layer_remote(pool.layer(il).layer);
-        if (r < 0 || per_chunk || groups || pool.layer_host_accessible(il)) {
+        if (per_chunk || groups || pool.layer_host_accessible(il) || (r < 0 && !keys_on_device)) {
             local.push_back(il);
             continue;
         }
+        if (r < 0) {
+            on_device.push_back(il);
+            continue;
+        }
         ggml_backend_t be = model.remote_backends()[size_t(r)];
-        auto it = std::find_if(remote.begin(), remote.end(), [&](const RemoteShare &x) { return x.backend == be; });
+        auto it = std::find_if(remote.begin(), remote.end(), [&](const Remote &x) { return x.backend == be; });
         if (it == remote.end()) {
-            remote.push_back({rt, be, model.layer_buft(pool.layer(il).layer), {}});
+            remote.push_back({be, model.layer_buft(pool.layer(il).layer), {}});
             it = remote.end() - 1;
         }
         it->layers.push_back(il);
     }
-    for (const RemoteShare &rs : remote) remote_history_attention(rs, q_first, q_count, n_pos, host_off, out, n);
+    const int32_t S = rt.pager().used_extent();
+    for (const Remote &rs : remote) {
+        // an RPC server's: inputs and compute buffers made for this call's shapes
+        ShareInputs in;
+        if (S > 0) in = share_inputs(rt, rs.buft, rs.layers, S, q_count);
+        const ShareDevice dev{rs.backend, rs.buft, &in, {nullptr, nullptr}, true};
+        share_history_attention(rt, dev, rs.layers, q_first, q_count, n_pos, host_off, out, n);
+    }
+    if (!on_device.empty()) {
+        // a GPU runtime's own backend, with its inputs and compute buffers reserved once (DeviceScoring); the
+        // pool's page copies are queued on that backend too, and sync_for_host_read above waited for them
+        const DeviceScoring *ds = device_scoring(rt, q_count);
+        if (ds) {
+            const ShareDevice dev{rt.backend(), nullptr, &ds->in, {ds->alloc[0].get(), ds->alloc[1].get()}, false};
+            share_history_attention(rt, dev, on_device, q_first, q_count, n_pos, host_off, out, n);
+        } else {
+            local.insert(local.end(), on_device.begin(), on_device.end());
+            std::sort(local.begin(), local.end());
+        }
+    }
     const int32_t NLoc = int32_t(local.size());
     std::vector<std::vector<float>> sinks(local.size());   // read here, before the workers (a GPU's weights)
     for (size_t li = 0; li < local.size(); ++li) sinks[li] = layer_sinks(rt, local[li]);
@@ -457,6 +621,19 @@ void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threa
         if (!e.empty()) throw std::runtime_error("history_attention: " + e);
     for (const auto &a : accs)
         for (int64_t p = 0; p < n; ++p) out[p] = std::max(out[p], a[p]);
+}
+
+DeviceScoringInfo device_scoring_info(const Runtime &rt) {
+    DeviceScoringInfo info;
+    const auto *ds = dynamic_cast<const DeviceScoring *>(rt.scorer_state().get());
+    if (!ds) return info;
+    info.unusable = ds->unusable;
+    if (!ds->unusable.empty()) return info;
+    info.slots = ds->in.S_cap;
+    info.queries = ds->in.nq_cap;
+    info.bytes = ggml_backend_buffer_get_size(ds->in.buf.get());
+    for (const auto &a : ds->alloc) info.bytes += ggml_gallocr_get_buffer_size(a.get(), 0);
+    return info;
 }
 
 void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_chunks, int32_t spread,

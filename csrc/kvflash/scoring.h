@@ -51,9 +51,25 @@ void attention_scores(const Runtime &rt, float *out, int64_t n);
 // from q_first), e.g. the earliest of them as a baseline for the latest.  n_layers > 0:
 // only the first n_layers paged layers (early layers carry the retrieval signal; the
 // max over every layer lets later layers' spikes drown it); 0: all.
+// Token scores of keys that live on a device are computed there with stock ggml ops, the
+// host-store rows here, one softmax merged over both (agreeing with the host's arithmetic to
+// float rounding): an RPC server's pool slice, and a GPU runtime's pool on its own backend with
+// buffers reserved at the first call (keys_on_device = false: a GPU pool's resident rows are read
+// back and scored here instead, as per_chunk and groups always are).
 void history_attention(const Runtime &rt, float *out, int64_t n, int32_t n_threads, bool per_chunk = false,
                        const int32_t *groups = nullptr, int32_t q_first = 0, int32_t q_count = -1,
-                       int32_t n_layers = 0);
+                       int32_t n_layers = 0, bool keys_on_device = true);
+
+// A GPU runtime's device scoring (history_attention's share on its backend): the device bytes reserved for
+// it (inputs and both rounds' compute buffers; 0 before the first call or when the device cannot score),
+// the slots and queries they were reserved for, and why the device cannot score when it cannot (an op its
+// backend lacks, memory): its keys are then read back to the host.
+struct DeviceScoringInfo {
+    size_t bytes = 0;
+    int32_t slots = 0, queries = 0;
+    std::string unusable;
+};
+DeviceScoringInfo device_scoring_info(const Runtime &rt);
 
 // ---- chunk scores from token scores: one implementation for the C API and the Python
 // policies (qk and the drafter), so both paths rank chunks the same way.
