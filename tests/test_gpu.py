@@ -209,6 +209,90 @@ def test_host_reads_of_the_pool_follow_the_copies(models):
     assert err < 1e-4
 
 
+# The scores' agreement: the device's logits are f32 products summed in its own order, so the two paths differ
+# by float rounding; between the device and the CPU backend the K rows themselves differ a little as well.
+SCORE_NMSE_SAME_KEYS = 1e-11  # one runtime, device share against its keys read back (f16 products: ~1e-8)
+SCORE_NMSE_CPU = 1e-4         # the device runtime against the CPU runtime's
+
+
+@pytest.mark.parametrize("arch,kv_type,pool", [("llama", "q8_0", "paged"), ("gemma3", "f16", "paged"),
+                                               ("llama", "f16", "full")])
+def test_history_scores_on_the_device_match_the_cpus(models, arch, kv_type, pool):
+    """qk's history attention on a GPU runtime: the pool's resident keys scored on its own device with stock
+    ops (buffers reserved once, at the first call), the host-store rows on the host, one softmax.  Against the
+    same runtime's keys read back and scored on the host (the same bytes: float rounding apart), and against
+    the CPU runtime's scores: token scores, baseline and layer subsets (qk's peak scoring), a pool under the
+    context (host chunks) and the full cache."""
+    kw = dict(max_ctx=4096, kv_type=kv_type, ubatch=64, capture_queries=12)
+    kw.update(PAGED if pool == "paged" else dict(pool_tokens=0))
+    rc, rg, V = runtimes(models, arch, **kw)
+    t = toks(700 if pool == "paged" else 400, 12, V)
+    for rt in (rg, rc):
+        rt.eval(t, False)
+    if pool == "paged":
+        assert rg.pager.stats["host_chunks"] > 0 and rg.pager.chunk_table()["block"].min() < 0
+    assert rg.device_scoring["bytes"] == 0   # nothing reserved before the first scoring
+    worst, worst_cpu = 0.0, 0.0
+    for q in (dict(), dict(q_first=2, q_count=4), dict(n_layers=1)):
+        dev = rg.history_attention(n_threads=1, **q)
+        info = rg.device_scoring
+        assert info["unusable"] == "" and info["bytes"] > 0, info
+        assert info["slots"] == rg.pool_tokens and info["queries"] == 12, info
+        host = rg.history_attention(n_threads=1, on_device=False, **q)
+        cpu = rc.history_attention(n_threads=1, **q)
+        assert (dev > 0).sum() > 0.9 * len(t)
+        err = nmse(dev, host)
+        worst = max(worst, float(np.abs(dev - host).max() / np.abs(host).max()))
+        worst_cpu = max(worst_cpu, float(np.abs(dev - cpu).max() / np.abs(cpu).max()))
+        report(f"history_attention device-vs-host-read {arch} {kv_type} {pool} {q}", err, SCORE_NMSE_SAME_KEYS)
+        assert err < SCORE_NMSE_SAME_KEYS
+        err = nmse(dev, cpu)
+        report(f"history_attention device-vs-cpu {arch} {kv_type} {pool} {q}", err, SCORE_NMSE_CPU)
+        assert err < SCORE_NMSE_CPU
+    print(f"DEVICE-PARITY {DEVICE} history_attention {arch} {kv_type} {pool}: max |device - host-read| "
+          f"{worst:.2e} of the largest score, |device - cpu| {worst_cpu:.2e}")
+    # qk's peak scores (two calls: the last queries and the baseline before them) rank the chunks as the CPU's
+    n_chunks = (len(t) + rg.pager.chunk_tokens - 1) // rg.pager.chunk_tokens
+    a = rg.qk_peak_scores(n_chunks, n_queries=4, contrast=8, n_threads=1)
+    b = rc.qk_peak_scores(n_chunks, n_queries=4, contrast=8, n_threads=1)
+    err = nmse(a, b)
+    report(f"qk_peak_scores device-vs-cpu {arch} {kv_type} {pool}", err, SCORE_NMSE_CPU)
+    assert err < SCORE_NMSE_CPU
+    assert list(np.argsort(-a)[:5]) == list(np.argsort(-b)[:5])
+    assert rg.device_scoring == info   # reserved once: the later calls reused it
+
+
+def test_a_qk_session_on_the_device_rescores_as_the_cpus(models):
+    """A qk session on the device whose pool evicts and rescores again and again (qk's scores from the device's
+    reserved buffers each time): it does not crash, keeps its one reservation, and its greedy tokens and
+    residency follow the CPU session's."""
+    import kvflash
+    _, gpu = models("llama")
+    prompt = [int(t) for t in toks(650, 13, gpu.hparams["n_vocab"])]
+    out = {}
+    for dev in (gpu.device, "cpu"):
+        s = kvflash.Session(gpu.path, device=dev, max_ctx=4096, kvflash=PAGED["pool_tokens"],
+                            chunk_tokens=PAGED["chunk_tokens"], policy="qk", tau=1, threads=2, verbose=False,
+                            kv_type="q8_0")
+        s.prefill(prompt)
+        first = s.runtime.device_scoring
+        for _ in s.generate(max_tokens=48, ignore_eos=True, temperature=0):
+            pass
+        n_chunks = (s.n_past + PAGED["chunk_tokens"] - 1) // PAGED["chunk_tokens"]
+        out[dev] = (s.tokens[-48:], s.pager.chunk_table()["block"][:n_chunks] >= 0,
+                    (s.pager.stats["page_outs"], s.pager.stats["page_ins"]), s.runtime.rescores, first,
+                    s.runtime.device_scoring)
+    (tg, rg, pg, ng, first, last), (tc, rc, pc, nc_, _, cpu_info) = out[gpu.device], out["cpu"]
+    print(f"DEVICE-PARITY {DEVICE} qk session: {ng} rescores, resident chunks agree on {int((rg == rc).sum())}/"
+          f"{rg.size}, page-outs/ins {pg} vs {pc}, tokens equal {sum(x == y for x, y in zip(tg, tc))}/{len(tc)}")
+    assert cpu_info["bytes"] == 0   # the CPU's pool is host memory: nothing to reserve
+    assert ng >= 4 and ng == nc_, (ng, nc_)
+    assert first["bytes"] > 0 and last == first, (first, last)   # reserved at the prompt's rescore, then reused
+    assert pg[0] > 0 and pg[1] > 0, pg   # it evicted, and the rescores brought chunks back
+    assert tg == tc
+    assert (rg == rc).mean() > 0.9
+
+
 def test_device_model_api(models):
     _, gpu = models("llama")
     free, total = gpu.device_memory()
