@@ -18,6 +18,9 @@ same in every build):
     Model.device / device_memory()        "vulkan:N" | "cuda:N" / (free, total) bytes of the device
     kvflash._core.Runtime(model, ...)     unchanged; attn="auto"/"ggml" is ggml_flash_attn_ext over the
                                           pool, attn="pool" (kvflash's CPU kernel) ValueError.
+    Runtime.history_attention(...)        the pool's resident keys scored on the device (stock ops, buffers
+                                          reserved at the first call), on_device=False: read back instead;
+    Runtime.device_scoring                {'bytes', 'slots', 'queries', 'unusable'}: that reservation.
     kvflash.Pager(..., device=...)        a standalone pool on the device (the paging tests below).
     kvflash.Session(..., device="auto")   the GPU when one is visible; kvflash="auto" sizes the pool from
                                           the device's free memory.
