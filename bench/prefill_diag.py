@@ -16,6 +16,10 @@ Modes (comma list, `--modes`):
               queries choose the residents the next piece attends; one token re-read), then the settle
   pool:nM     the pooled prefill with exact prefill switched on only for the target needle sentences' chunks
               and M tokens either side (is it the needle's own K/V the pooled prefill loses?)
+  pool:aM     the same for every inserted sentence, the distractor keys' needles included
+  pool:cM     two prefills: a pooled one and its settle choose the resident chunks; then the prompt is read again
+              with exact prefill switched on only for those chunks (+-M tokens): an upper bound on re-reading the
+              chosen chunks exactly after the settle (costs a second prefill; quality probe only)
   exact       exact prefill (every position attended, the host store read in place)
 
     python bench/prefill_diag.py --task multikey --context 4096 --residency 16 --trials 0,1,2,3 \
@@ -33,6 +37,37 @@ import tempfile
 import time
 
 import numpy as np
+
+
+def _exact_segments(s, ids: list, ranges: list, reread: int) -> None:
+    """The pooled prefill with exact prefill switched on for the token ranges given (merged, clipped), the
+    rest pooled under LRU, then the qk settle over the whole prompt."""
+    from kvflash.policies import LRUPolicy
+    from kvflash.scoring import QKPolicy
+    merged: list = []
+    for lo, hi in sorted((max(0, lo), min(len(ids) - 1, hi)) for lo, hi in ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        elif lo < hi:
+            merged.append([lo, hi])
+    cuts, at = [], 0
+    for lo, hi in merged:
+        cuts += [(at, lo, False), (lo, hi, True)]
+        at = hi
+    cuts.append((at, len(ids), False))
+    s.reeval_tokens = reread
+    s.policy = LRUPolicy()
+    for lo, hi, exact in cuts:
+        if hi <= lo:
+            continue
+        s.exact_prefill = exact
+        s._configure_core()
+        s.prefill(ids[lo:hi])
+    s.exact_prefill = False
+    s._configure_core()
+    s.policy = QKPolicy()
+    s._settle_prompt(ids)
+    print(f"  exact for {sum(hi - lo for lo, hi in merged)} of {len(ids)} tokens in {len(merged)} ranges", flush=True)
 
 
 def _logp_value(s, ids_value: list, first_logits: np.ndarray) -> float:
@@ -111,18 +146,25 @@ def main() -> None:
                     s.reeval_tokens = opt.get("r", 64)
                     s.policy = QKPolicy()
                     s.prefill(tr.ids)
-                elif "n" in opt:
+                elif "n" in opt or "a" in opt or "c" in opt:
                     C = s.chunk_tokens
-                    cs = [c for x in tr.needles for c in passkey_chunks(s, tr.ids, x)]
-                    lo, hi = max(0, min(cs) * C - opt["n"]), min(len(tr.ids) - 1, (max(cs) + 1) * C + opt["n"])
-                    s.reeval_tokens = opt.get("r", 64)
-                    s.policy = LRUPolicy()
-                    for part, exact in ((tr.ids[:lo], False), (tr.ids[lo:hi], True), (tr.ids[hi:], False)):
-                        s.exact_prefill = exact
-                        s._configure_core()
-                        s.prefill(part)
-                    s.policy = QKPolicy()
-                    s._settle_prompt(tr.ids)
+                    if "n" in opt or "a" in opt:   # the target needle's sentences, or every inserted one
+                        m = opt.get("n", opt.get("a"))
+                        spans = [passkey_chunks(s, tr.ids, x) for x in (tr.needles if "n" in opt else tr.inserted)]
+                        ranges = [(min(cs) * C - m, (max(cs) + 1) * C + m) for cs in spans if cs]
+                    else:   # the chunks a first pooled prefill's settle chose, read exactly in a second prefill
+                        s.reeval_tokens = opt.get("r", 64)
+                        s.policy = LRUPolicy()
+                        s.prefill(tr.ids)
+                        s.policy = QKPolicy()
+                        s._settle_prompt(tr.ids)
+                        table = s.pager.chunk_table()
+                        m = opt["c"]
+                        tail = len(tr.ids) - s.reeval_tokens - 4 * C
+                        ranges = [(c * C - m, (c + 1) * C + m) for c in range(len(table["block"]))
+                                  if table["block"][c] >= 0 and 1 <= c and (c + 1) * C <= tail]
+                        s.reset()
+                    _exact_segments(s, tr.ids, ranges, opt.get("r", 64))
                 elif "x" in opt:
                     # piece by piece under qk, each piece's settle rescoring and re-reading one token
                     s.policy = QKPolicy()

@@ -367,6 +367,9 @@ def test_ruler_prompts(tiny):
                     assert abs(100 * at - t.depth) < 20, (task, hay, t.depth, at)   # a sentence is ~7% here
                     n_needles = text.count(b.w["needle"].split("{kind}")[0])
                     assert n_needles == {"single": 1, "multikey": 4, "multivalue": 4, "multiquery": 2}[task]
+                    # every inserted sentence, distractors included, each in the prompt once, needles first
+                    assert len(t.inserted) == n_needles and t.inserted[:len(t.needles)] == t.needles
+                    assert all(text.count(x) == 1 for x in t.inserted), (task, hay)
                     if task == "single":
                         assert t.kind == ruler.KINDS[i % 3]
                     if hay == "ledger":

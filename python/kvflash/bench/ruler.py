@@ -176,6 +176,7 @@ class RulerTrial:
     ids: list              # the prompt, answer prefix included
     answer_tokens: int     # tokens the answer may take
     needles: list = dataclasses.field(default_factory=list)   # the sentence holding each value (key and value)
+    inserted: list = dataclasses.field(default_factory=list)  # every sentence inserted, distractors included
 
 
 class RulerBuilder:
@@ -295,7 +296,7 @@ class RulerBuilder:
             answer = 12 * N_QUERIES
         ids = self._compose(rng, sents, lens, inserts, question, prefix, n_tokens, sep)
         return RulerTrial(task, haystack, i, kind, depth, values, ids, answer,
-                          needles=[t for _, t in inserts[:len(values)]])
+                          needles=[t for _, t in inserts[:len(values)]], inserted=[t for _, t in inserts])
 
     def _vt(self, haystack: str, i: int, n_tokens: int) -> RulerTrial:
         """Variable tracking: one value, a chain of VT_HOPS assignments (VT_HOPS + 1 variables), spread through
