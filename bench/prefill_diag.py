@@ -102,6 +102,7 @@ def main() -> None:
 
     import kvflash
     from kvflash.bench.routines._shared import passkey_chunks
+    from kvflash.bench.routines.ruler import _answer as answer
     from kvflash.bench.ruler import RulerBuilder, score
     from kvflash.policies import LRUPolicy
     from kvflash.scoring import QKPolicy
@@ -189,7 +190,7 @@ def main() -> None:
                     table = s.pager.chunk_table()
                     kept = all(bool(table["block"][c] >= 0) for x in tr.needles for c in passkey_chunks(s, tr.ids, x))
                 s.save(snap)
-                ans = "".join(s.generate(None, max_tokens=tr.answer_tokens, temperature=0.0, stop=["\n"]))
+                ans, _ = answer(s, tr.answer_tokens)
                 pol = s.policy
                 s.restore(snap)
                 s.policy = pol

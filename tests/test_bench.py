@@ -331,6 +331,15 @@ def test_passkey_span_and_rank():
     assert rank_text([rank_of(scores, prot, 0)]) == "p" and span_rank([-1, -1]) == -1
 
 
+def test_ruler_answer_is_the_first_line_with_text():
+    """A base model may break the line after the answer prefix before answering: blank lines first are
+    skipped, the answer ends with the first line that has text."""
+    from kvflash.bench.routines.ruler import first_line
+    assert first_line("\n\n ABCDE FGHIJ\nmore") == "ABCDE FGHIJ"
+    assert first_line(" 1234567.\nQuestion") == "1234567."
+    assert first_line("\n \n") is None and first_line("no end yet") is None and first_line("") is None
+
+
 def test_ruler_prompts(tiny):
     """The ruler splits share no wording, key word or value word; every needle value occurs once in its
     prompt, the target near its depth; the aggregate list's common words lead by a margin; prompts fill

@@ -81,9 +81,25 @@ def _drafter(cfg: BenchConfig):
     return DrafterPolicy(path, threads=cfg.threads, **{k: v for k, v in pairs if v is not None}), None
 
 
+def first_line(text: str) -> Optional[str]:
+    """The answer's first line once it has one: blank lines before it skipped (a base model often breaks the
+    line after the answer prefix's colon before it answers), None while no line with text has ended."""
+    body = text.lstrip()
+    return body[:body.index("\n")] if "\n" in body else None
+
+
 def _answer(s, n_tokens: int) -> tuple:
+    """The greedy answer up to its first line's end (leading blank lines skipped) or n_tokens."""
     t0 = time.perf_counter()
-    text = "".join(s.generate(None, max_tokens=n_tokens, temperature=0.0, stop=["\n"]))
+    text = ""
+    for piece in s.generate(None, max_tokens=n_tokens, temperature=0.0):
+        text += piece
+        line = first_line(text)
+        if line is not None:
+            text = line
+            break
+    else:
+        text = text.strip()
     return text, time.perf_counter() - t0
 
 
