@@ -338,6 +338,21 @@ def test_ruler_answer_is_the_first_line_with_text():
     assert first_line("\n\n ABCDE FGHIJ\nmore") == "ABCDE FGHIJ"
     assert first_line(" 1234567.\nQuestion") == "1234567."
     assert first_line("\n \n") is None and first_line("no end yet") is None and first_line("") is None
+    from kvflash.bench.routines.ruler import _answer
+
+    class Fake:   # a session whose generate() is an iterator that must be closed before the next call
+        def __init__(self, pieces):
+            self.pieces, self.gen = pieces, None
+
+        def generate(self, prompt, **kw):
+            assert self.gen is None or self.gen.gi_frame is None, "the previous answer's iterator is still open"
+            self.gen = (p for p in self.pieces)
+            return self.gen
+    fake = Fake(["\n", "\n", " ABC", "DE", "\nmore", "never"])
+    assert _answer(fake, 16)[0] == "ABCDE"
+    assert fake.gen.gi_frame is None   # closed, not left suspended
+    fake.pieces = [" 123", " 4"]
+    assert _answer(fake, 16)[0] == "123 4"
 
 
 def test_ruler_prompts(tiny):

@@ -91,16 +91,17 @@ def first_line(text: str) -> Optional[str]:
 def _answer(s, n_tokens: int) -> tuple:
     """The greedy answer up to its first line's end (leading blank lines skipped) or n_tokens."""
     t0 = time.perf_counter()
-    text = ""
-    for piece in s.generate(None, max_tokens=n_tokens, temperature=0.0):
-        text += piece
-        line = first_line(text)
-        if line is not None:
-            text = line
-            break
-    else:
-        text = text.strip()
-    return text, time.perf_counter() - t0
+    text, line = "", None
+    gen = s.generate(None, max_tokens=n_tokens, temperature=0.0)
+    try:
+        for piece in gen:
+            text += piece
+            line = first_line(text)
+            if line is not None:
+                break
+    finally:
+        gen.close()   # the session is free again (a snapshot restore follows)
+    return (line if line is not None else text.strip()), time.perf_counter() - t0
 
 
 def _needed(s, ids: list, needles: list, last_scores) -> dict:
