@@ -338,6 +338,8 @@ def test_ruler_answer_is_the_first_line_with_text():
     assert first_line("\n\n ABCDE FGHIJ\nmore") == "ABCDE FGHIJ"
     assert first_line(" 1234567.\nQuestion") == "1234567."
     assert first_line("\n \n") is None and first_line("no end yet") is None and first_line("") is None
+    assert first_line(":\n plum, tower\n") == "plum, tower" and first_line(":\n") is None
+    assert first_line("no end yet", final=True) == "no end yet" and first_line(" :\n", final=True) is None
     from kvflash.bench.routines.ruler import _answer
 
     class Fake:   # a session whose generate() is an iterator that must be closed before the next call
@@ -353,6 +355,8 @@ def test_ruler_answer_is_the_first_line_with_text():
     assert fake.gen.gi_frame is None   # closed, not left suspended
     fake.pieces = [" 123", " 4"]
     assert _answer(fake, 16)[0] == "123 4"
+    fake.pieces = [":", "\n", " visitors,", " plain\n"]
+    assert _answer(fake, 16)[0] == "visitors, plain"
 
 
 def test_ruler_prompts(tiny):

@@ -81,11 +81,15 @@ def _drafter(cfg: BenchConfig):
     return DrafterPolicy(path, threads=cfg.threads, **{k: v for k, v in pairs if v is not None}), None
 
 
-def first_line(text: str) -> Optional[str]:
-    """The answer's first line once it has one: blank lines before it skipped (a base model often breaks the
-    line after the answer prefix's colon before it answers), None while no line with text has ended."""
-    body = text.lstrip()
-    return body[:body.index("\n")] if "\n" in body else None
+def first_line(text: str, final: bool = False) -> Optional[str]:
+    """The answer's first line with a letter or digit once it has ended (final: or the text has ended), lines
+    before it skipped -- blank ones, or a bare ':' (a base model often breaks the line after the answer
+    prefix, or writes its colon first); None while no such line has ended."""
+    lines = text.split("\n")
+    for line in lines if final else lines[:-1]:
+        if any(ch.isalnum() for ch in line):
+            return line.strip()
+    return None
 
 
 def _answer(s, n_tokens: int) -> tuple:
@@ -101,6 +105,8 @@ def _answer(s, n_tokens: int) -> tuple:
                 break
     finally:
         gen.close()   # the session is free again (a snapshot restore follows)
+    if line is None:
+        line = first_line(text, final=True)
     return (line if line is not None else text.strip()), time.perf_counter() - t0
 
 
