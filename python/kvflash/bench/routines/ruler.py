@@ -263,8 +263,8 @@ def run_ruler(cfg: BenchConfig) -> Result:
          if cfg.split == "tuning" else
          "reporting data (split reporting: wordings, key words, value words and seeds held out from every "
          "tuning run)"),
-        "score: RULER's string match, the share of the expected values found in the greedy answer (stop at a "
-        "newline), mean over the trials; all values: trials with every value found; of full: the cell's score "
+        "score: RULER's string match, the share of the expected values found in the greedy answer (its first "
+        "line with a letter or digit), mean over the trials; all values: trials with every value found; of full: the cell's score "
         "over the full cache's on the same trials",
         "one pooled prefill per trial and residency (under LRU: a prefill does not depend on the policy), "
         "restored from a snapshot for each policy, which then rescores and re-reads the prompt's tail as "
