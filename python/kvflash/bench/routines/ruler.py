@@ -93,7 +93,7 @@ def first_line(text: str, final: bool = False) -> Optional[str]:
 
 
 def _answer(s, n_tokens: int) -> tuple:
-    """The greedy answer up to its first line's end (leading blank lines skipped) or n_tokens."""
+    """The greedy answer: its first line with a letter or digit (first_line), or what n_tokens gave."""
     t0 = time.perf_counter()
     text, line = "", None
     gen = s.generate(None, max_tokens=n_tokens, temperature=0.0)
