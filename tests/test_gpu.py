@@ -465,13 +465,19 @@ def test_unordered_paging_is_caught_by_the_race_test():
     """The same walk with read_rows / write_rows not waiting for the queued page copies (the ordering
     switched off): a new chunk's rows overwrite a block whose page-out has not run yet, or a recalled chunk
     is read before its page-in landed.  The walk must see it; if it did not, the test above would prove
-    nothing."""
+    nothing.  Whether one walk catches the queue behind depends on the scheduler: with a core free for
+    lavapipe's queue thread about one walk in four of 3000 steps sees no race (CI met one), so up to 12
+    walks, each on a fresh pool and its own seed, and at least one must find the race."""
     from kvflash import Pager
-    p = Pager(pool_tokens=256, max_ctx=4096, n_layers=2, n_embd_k=64, kv_type="q8_0", chunk_tokens=16,
-              device=DEVICE, _unfenced_rows=True)
-    bad = _paging_walk(p, np.random.default_rng(7), 3000, 68, 2)
-    print(f"DEVICE-PAGING {DEVICE} unordered: mismatch {bad}")
-    assert bad is not None, "the unordered walk found no race: the race test cannot tell ordered from unordered"
+    walks = []
+    for seed in range(7, 19):
+        p = Pager(pool_tokens=256, max_ctx=4096, n_layers=2, n_embd_k=64, kv_type="q8_0", chunk_tokens=16,
+                  device=DEVICE, _unfenced_rows=True)
+        walks.append(_paging_walk(p, np.random.default_rng(seed), 3000, 68, 2))
+        if walks[-1] is not None:
+            break
+    print(f"DEVICE-PAGING {DEVICE} unordered: {len(walks)} walk(s), mismatches {walks}")
+    assert walks[-1] is not None, "no unordered walk found a race: the race test cannot tell ordered from unordered"
 
 
 def test_device_kv_bytes_are_the_pools_not_the_contexts(models):
