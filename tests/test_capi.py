@@ -409,7 +409,7 @@ def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
 
 
 class Params(ctypes.Structure):
-    """struct kvflash_params as kvflash.h declares it (API version 5)."""
+    """struct kvflash_params as kvflash.h declares it (API version 11)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
                 ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
@@ -419,7 +419,7 @@ class Params(ctypes.Structure):
                 ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32),
                 ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32), ("drafter", ctypes.c_void_p),
                 ("drafter_layers", ctypes.c_int32), ("drafter_pool", ctypes.c_int32), ("drafter_queries", ctypes.c_int32),
-                ("prefill_rescore", ctypes.c_int32)]
+                ("prefill_rescore", ctypes.c_int32), ("prefill_reread", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -491,6 +491,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("QKL", refused(policy=b"qk", pool_tokens=512, qk_layers=-2))
         print("QKCA", refused(policy=b"qk", pool_tokens=512, qk_carry=-1))
         print("PRE", refused(policy=b"qk", pool_tokens=512, prefill_rescore=-1))
+        print("RRD", refused(policy=b"qk", pool_tokens=512, prefill_reread=2))
+        v10 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_reread.offset)  # API version 10
+        print("V10_OK", v10 is None, lib.kvflash_default_params().prefill_reread)
         v9 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_rescore.offset)  # API version 9
         print("V9_OK", v9 is None, lib.kvflash_default_params().prefill_rescore)
         v4 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_carry.offset)  # API version 4
@@ -510,8 +513,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out
+    assert "V10_OK True 0" in out
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry"),
-                       ("PRE", "prefill_rescore")):
+                       ("PRE", "prefill_rescore"), ("RRD", "prefill_reread")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
 
@@ -524,7 +528,7 @@ def tiny_drafter(tmp_path_factory):
 
 def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
     """The C API and kvflash.Session drive the same core session: for every built-in policy (lru, qk and its
-    variants, the drafter), exact mode and exact prefill, with prefix reuse (kvflash_continue /
+    variants, the drafter), exact mode, exact prefill and the settle's re-read, with prefix reuse (kvflash_continue /
     Session.continue_to) and a rewind, the tokens and final logits are bit-equal, and (where the round
     lengths do not differ) so are page-outs and rescores."""
     proc = run_python(f"""
@@ -553,6 +557,7 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
             q.drafter = dm
             q.exact = int(mode == "exact")
             q.exact_prefill = int(mode == "exact_prefill")
+            q.prefill_reread = int(mode == "prefill_reread")
             s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
             assert s, err.value
             arr = lambda x: (ctypes.c_int32 * len(x))(*x)
@@ -580,7 +585,8 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
             if policy == "drafter":
                 policy = kvflash.scoring.DrafterPolicy(DRAFTER, threads=1)
             s = kvflash.Session({tiny!r}, max_ctx=2048, kvflash=512, policy=policy, tau=16, threads=1, verbose=False,
-                                seed=0, exact=mode == "exact", exact_prefill=mode == "exact_prefill")
+                                seed=0, exact=mode == "exact", exact_prefill=mode == "exact_prefill",
+                                prefill_reread=mode == "prefill_reread")
             out = []
             def gen(n):
                 n0 = s.n_past
@@ -597,6 +603,7 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
             return out, reused, s.logits(), st["page_outs"], st["rescores"], st["n_past"]
 
         runs = [("pooled", "qk", "peak"), ("exact_prefill", "qk", "peak"), ("exact", "qk", "peak"),
+                ("prefill_reread", "qk", "peak"),
                 ("lru", "lru", "peak"), ("qk-bound", "qk-bound", "peak"), ("qk-mean", "qk-mean", "peak"),
                 ("qk-chunk", "qk", "chunk"), ("qk-token", "qk", "token"), ("drafter", "drafter", "peak")]
         for mode, policy, agg in runs:
@@ -613,7 +620,7 @@ def test_c_api_and_python_session_are_one_core(tiny, tiny_drafter):
         lib.kvflash_model_free(m)
     """)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("pooled", "exact_prefill", "exact", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token", "drafter"):
+    for mode in ("pooled", "exact_prefill", "exact", "prefill_reread", "lru", "qk-bound", "qk-mean", "qk-chunk", "qk-token", "drafter"):
         assert f"{mode} ok 72" in proc.stdout, proc.stdout
 
 

@@ -96,7 +96,8 @@ _MODELS: dict = {}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """tiny(arch) -> GGUF path of a 2-layer model (gemma3: 6 layers, 5 sliding, window 16)."""
+    """tiny(arch) -> GGUF path of a 2-layer model (gemma3: 6 layers, 5 sliding, window 16; gemma3-12: 12
+    layers, two global ones (5, 11), so the second's K/V depend on the first's attention)."""
 
     def get(arch, weights="f32"):
         key = (arch, weights)
@@ -104,10 +105,10 @@ def tiny(tmp_path_factory):
             kw = dict(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=256, weight_type=weights, seed=11)
             if weights.endswith("_K"):   # K-quants: rows of 256
                 kw.update(n_embd=256, n_head=8, n_ff=512)
-            if arch == "gemma3":
-                kw.update(n_layer=6, gemma_sliding_window=16)
+            if arch.startswith("gemma3"):
+                kw.update(n_layer=12 if arch == "gemma3-12" else 6, gemma_sliding_window=16)
             path = tmp_path_factory.mktemp("exact") / f"{arch}-{weights}.gguf"
-            write_tiny_model(path, arch, **kw)
+            write_tiny_model(path, arch.split("-")[0], **kw)
             _MODELS[key] = str(path)
         return _MODELS[key]
 
@@ -427,3 +428,112 @@ def test_exact_prefill_arguments_and_snapshot(tiny, tmp_path):
     t = kvflash.Session.load(str(f), path, verbose=False)
     assert t.exact_prefill and np.array_equal(t.logits(), s.logits())
     assert _session(path, None, exact_prefill=True).exact_prefill is False   # the full cache: nothing to do
+
+
+# --------------------------------------------------------------------------- 6. a past span read again in place
+
+def _differing_chunks(pp, fp, n_chunks):
+    """Chunks whose rows (any paged layer, K or V) differ between two runtimes' pagers; brings each into
+    both pools (recalls: evictions page out what was rewritten)."""
+    bad = []
+    for c in range(n_chunks):
+        for p in (pp, fp):
+            if p.chunk_table()["block"][c] < 0:
+                assert p.recall(c)
+        if any(bytes(a[pp.slot_of(pos)]) != bytes(b[fp.slot_of(pos)])
+               for il in range(pp.n_layers) for a, b in ((pp.k_rows(il), fp.k_rows(il)), (pp.v_rows(il), fp.v_rows(il)))
+               for pos in range(c * C, (c + 1) * C)):
+            bad.append(c)
+    return bad
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3-12"])
+def test_reread_in_order_turns_a_pooled_prefill_into_the_full_caches(tiny, arch):
+    """Runtime.reread: a pooled prefill (most of the prompt out of the pool while it was read) whose every span
+    is read again in place, in order and in the full cache's pieces, holds the full cache's K/V bit for bit:
+    each re-read attends every earlier position (the pool's rows and the host store's, those already
+    repaired) as the full cache did.  gemma3-12: the sliding layers' windows come from the history kept
+    while the prompt was read (their rows depend on the first global layer's attention, so they change too),
+    and the decode ring is updated: an exact decode step after it is the full cache's.  Rewritten chunks are
+    dirty: evicted later, they are paged out again (a stale host copy would fail the comparison)."""
+    m = core.Model(tiny(arch), n_threads=2)
+    ids = _ids(PROMPT, seed=31)
+    full = core.Runtime(m, max_ctx=2048, pool_tokens=0, chunk_tokens=C, ubatch=UBATCH)
+    rt = core.Runtime(m, max_ctx=2048, pool_tokens=POOL, chunk_tokens=C, ubatch=UBATCH)
+    rt.keep_swa_history(True)
+    full.eval(ids)
+    rt.eval(ids)
+    assert 0 < rt.pooled_from <= POOL and full.pooled_from == -1
+    fp, pp = full.pager, rt.pager
+    assert len(_differing_chunks(pp, fp, PROMPT // C)) > PROMPT // C // 2   # the pooled read is approximate
+    for j in range(0, PROMPT, UBATCH):
+        n = min(UBATCH, PROMPT - j)
+        for c in range(j // C, -(-(j + n) // C)):
+            if pp.chunk_table()["block"][c] < 0:
+                assert pp.recall(c)
+        rt.reread(j, n)
+    assert rt.n_past == PROMPT
+    outs = pp.stats["page_outs"]
+    assert _differing_chunks(pp, fp, PROMPT // C) == []
+    assert pp.stats["page_outs"] > outs   # the rewritten chunks went out again when the walk evicted them
+    pp.check_invariants()
+    t = np.array([7], np.int32)
+    _same_logits(rt.eval(t, exact=True), full.eval(t))
+
+
+def test_reread_refuses_what_it_cannot_read(tiny):
+    """A span outside the history, a chunk not resident, a sliding window without its history: ValueError
+    saying what to do, and nothing changed."""
+    ids = _ids(PROMPT, seed=32)
+    rt = core.Runtime(core.Model(tiny("llama"), n_threads=2), max_ctx=2048, pool_tokens=POOL, chunk_tokens=C,
+                      ubatch=UBATCH)
+    rt.eval(ids)
+    gone = int(np.flatnonzero(rt.pager.chunk_table()["block"][: PROMPT // C] < 0)[0])
+    before = rt.pager.chunk_table()["block"].copy()
+    with pytest.raises(ValueError, match=f"chunk {gone} is not resident"):
+        rt.reread(gone * C, C)
+    for pos0, n in ((PROMPT - 8, 16), (-1, 4), (0, 0)):
+        with pytest.raises(ValueError, match="inside the history"):
+            rt.reread(pos0, n)
+    assert np.array_equal(rt.pager.chunk_table()["block"], before) and rt.n_past == PROMPT
+    g = core.Runtime(core.Model(tiny("gemma3-12"), n_threads=2), max_ctx=2048, pool_tokens=POOL, chunk_tokens=C,
+                     ubatch=UBATCH)
+    g.eval(ids)
+    with pytest.raises(ValueError, match="keep_swa_history"):
+        g.reread(PROMPT - 2 * C, C)
+    g.keep_swa_history(True)   # from now on (seeded with the ring's last 256 positions): the sink chunk is older
+    with pytest.raises(ValueError, match="sliding history holds"):
+        g.reread(0, C)
+    g.reread(PROMPT - 2 * C, C)   # the ring's positions are in it
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3-12"])
+def test_prefill_reread_rewrites_the_chosen_chunks(tiny, arch):
+    """Session(prefill_reread=True): the settle's rescore chooses the residents as before; the chosen chunks the
+    pooled pieces wrote (from pooled_from to the tail the settle re-reads anyway) get new rows, every other
+    chunk keeps the pooled prefill's, and the tail re-read after it attends the new rows (other logits).
+    With exact prefill it changes nothing."""
+    path = tiny(arch)
+    prompt = _ids(PROMPT, seed=33).tolist()
+    plain = _session(path, False, policy="qk")
+    rr = _session(path, False, policy="qk", prefill_reread=True)
+    for s in (plain, rr):
+        s.prefill(prompt)
+    blocks = rr.pager.chunk_table()["block"][: PROMPT // C]
+    assert np.array_equal(blocks, plain.pager.chunk_table()["block"][: PROMPT // C])   # the same residents
+    first, last = rr.runtime.pooled_from // C, (PROMPT - rr.reeval_tokens) // C
+    chosen = [c for c in range(first, last) if blocks[c] >= 0]
+    assert len(chosen) >= 3, chosen
+    assert not np.array_equal(rr.logits(), plain.logits())
+    differ = _differing_chunks(rr.runtime.pager, plain.runtime.pager, PROMPT // C)
+    tail = set(range(last, -(-PROMPT // C)))   # the settle's tail re-read: after the re-read, so new rows too
+    assert set(differ) - tail == set(chosen), (differ, chosen)
+    # exact prefill's K/V are already exact: nothing to read again
+    ep = _session(path, False, policy="qk", exact_prefill=True)
+    epr = _session(path, False, policy="qk", exact_prefill=True, prefill_reread=True)
+    for s in (ep, epr):
+        s.prefill(prompt)
+    assert np.array_equal(ep.logits(), epr.logits())
+    with pytest.raises(ValueError, match="prefill_reread must be True or False"):
+        _session(path, False, prefill_reread=1)
+

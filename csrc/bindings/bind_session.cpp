@@ -85,7 +85,7 @@ void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
                             bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture,
                             std::shared_ptr<DrafterScorer> drafter, py::object allow_long_ctx, py::object seed_given,
-                            int32_t prefill_rescore) {
+                            int32_t prefill_rescore, bool prefill_reread) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
@@ -99,6 +99,7 @@ void bind_session(RuntimeClass &cls) {
                  c.tau = tau;
                  c.reeval_tokens = reeval_tokens;
                  c.prefill_rescore = prefill_rescore;
+                 c.prefill_reread = prefill_reread;
                  c.exact = exact;
                  c.exact_draft = exact_draft;
                  c.exact_prefill = exact_prefill;
@@ -110,10 +111,12 @@ void bind_session(RuntimeClass &cls) {
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
              py::arg("exact_prefill") = false, py::arg("reread_capture") = false, py::arg("drafter") = nullptr,
              py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(), py::arg("prefill_rescore") = 0,
+             py::arg("prefill_reread") = false,
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
              "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
              "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "
-             "rescore schedule and exact mode; reread_capture: "
+             "rescore schedule and exact mode; prefill_reread: a prompt's settle reads the resident chunks its pooled "
+             "pieces wrote again in place with exact attention (Session::reread_resident); reread_capture: "
              "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime); allow_long_ctx, "
              "seed_given (None: as they were): what a snapshot records of the caller's choices.")
         .def("set_scorer", [](PyRuntime &r, py::object fn) {
@@ -220,6 +223,28 @@ void bind_session(RuntimeClass &cls) {
              "Score the chunks now and repage the pool; returns chunks moved.  keep_recent: the chunks holding the "
              "last keep_recent positions stay resident whatever they score (prefill_rescore's rescores keep "
              "the recent half of the pool's evictable blocks).")
+        .def("reread", [](PyRuntime &r, int64_t pos0, int32_t n) {
+                 InUse use(&r.busy);
+                 nogil([&] { r.session->reread(pos0, n); return 0; });
+             }, py::arg("pos0"), py::arg("n"),
+             "Read the history's positions [pos0, pos0 + n) again in place with exact attention: each token attends "
+             "every position before it (resident rows and the host store's), its K/V rows overwrite its first "
+             "read's.  Nothing else changes (n_past, residency, logits).  ValueError saying why where it cannot "
+             "run (a chunk not resident, a GPU runtime, recurrent layers, a sliding window without its history).")
+        .def("reread_resident", [](PyRuntime &r, int64_t from_pos, int64_t until) {
+                 InUse use(&r.busy);
+                 return nogil([&] { return r.session->reread_resident(from_pos, until); });
+             }, py::arg("from_pos"), py::arg("until"),
+             "The settle's repair (prefill_reread): the resident chunks in [from_pos, until) written by pooled "
+             "pieces, read again in place; returns the tokens read again.")
+        .def("keep_swa_history", [](PyRuntime &r, bool on) {
+                 InUse use(&r.busy);
+                 r.rt->keep_swa_history(on);
+             }, py::arg("on"),
+             "Sliding-window layers: keep every position's rows in host RAM from now on (on), or free them; what "
+             "reread needs for a past position's window.  No-op without sliding layers.")
+        .def_property_readonly("pooled_from", [](PyRuntime &r) { return r.rt->pooled_from(); },
+             "The first position a piece read without the whole context in the pool (-1: none).")
         .def("sample_last", [](PyRuntime &r, float temperature, int32_t top_k, float top_p, float min_p) {
                  InUse use(&r.busy);
                  return r.session->sample(sampling(temperature, top_k, top_p, min_p));

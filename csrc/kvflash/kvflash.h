@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 10
+#define KVFLASH_API_VERSION 11
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -113,6 +113,10 @@ struct kvflash_params {
     int32_t prefill_rescore;    /* qk policies: rescore every N pooled pieces while a prompt is read, so
                                    later pieces attend the best-ranked chunks beside the recent half of the
                                    pool (0: off, the default; ignored with exact_prefill) */
+    /* -- since API version 11 -- */
+    int32_t prefill_reread;     /* 1: a scored session whose prompt outgrew the pool reads the chunks its settle
+                                   chose again in place with exact attention over the whole context (CPU
+                                   backend; 0: off, the default; ignored with exact_prefill) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

@@ -135,11 +135,12 @@ kvflash_params read_params(const kvflash_params *in) {
 
 // The session over model with sc, after what sc asks of the model's placement is checked.
 std::unique_ptr<kvflash_session> new_session(kvflash_model *model, const kvflash::SessionConfig &sc) {
-    if ((sc.exact || sc.exact_prefill) && !model->m->remote_layers().empty())
-        throw std::invalid_argument("params.exact / exact_prefill read the host store in place in one process; "
-                                    "this model has layers on RPC servers");
-    if ((sc.exact || sc.exact_prefill) && model->m->device().name().rfind("cpu", 0) != 0)
-        throw std::invalid_argument("params.exact / exact_prefill verify on the CPU backend");
+    if ((sc.exact || sc.exact_prefill || sc.prefill_reread) && !model->m->remote_layers().empty())
+        throw std::invalid_argument("params.exact / exact_prefill / prefill_reread read the host store in place in "
+                                    "one process; this model has layers on RPC servers");
+    if ((sc.exact || sc.exact_prefill || sc.prefill_reread) && model->m->device().name().rfind("cpu", 0) != 0)
+        throw std::invalid_argument("params.exact / exact_prefill / prefill_reread read the host store on the CPU "
+                                    "backend");
     auto s = std::make_unique<kvflash_session>();
     s->s = std::make_unique<kvflash::Session>(model->m, sc);
     return s;
@@ -180,6 +181,7 @@ kvflash_params kvflash_default_params(void) {
     p.drafter_pool = 1024;
     p.drafter_queries = 16;
     p.prefill_rescore = 0;
+    p.prefill_reread = 0;
     p.exact = 0;
     p.exact_prefill = 0;
     p.exact_draft = -1;
@@ -330,6 +332,9 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.prefill_rescore must be >= 0 (pooled prefill pieces between rescores; "
                                         "0: off), got " + std::to_string(p.prefill_rescore));
         sc.prefill_rescore = p.prefill_rescore;
+        if (p.prefill_reread != 0 && p.prefill_reread != 1)
+            throw std::invalid_argument("params.prefill_reread must be 0 or 1, got " + std::to_string(p.prefill_reread));
+        sc.prefill_reread = p.prefill_reread != 0;
         sc.seed = p.seed;
         if ((p.exact != 0 && p.exact != 1) || (p.exact_prefill != 0 && p.exact_prefill != 1))
             throw std::invalid_argument("params.exact and params.exact_prefill must be 0 or 1");

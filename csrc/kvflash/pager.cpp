@@ -114,6 +114,12 @@ void Pager::do_evict(int32_t c) {
     stats_.epoch++;
 }
 
+void Pager::mark_dirty(int32_t c) {
+    if (c < 0 || c >= n_chunks_ || block_of_[c] < 0)
+        throw std::invalid_argument("mark_dirty: chunk " + std::to_string(c) + " is not resident");
+    dirty_[c] = 1;
+}
+
 void Pager::do_place(int32_t c, int32_t b) {
     // precondition: c not resident, b free
     assert(block_of_[c] < 0 && chunk_of_[b] < 0);

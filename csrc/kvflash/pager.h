@@ -96,6 +96,9 @@ public:
 
     // Page chunk c out.  Preconditions (else invalid_argument): resident, not protected.
     void evict(int32_t c);
+    // Chunk c's rows were rewritten in place (Runtime::reread): its host copy, if any, is stale and the
+    // next page-out copies it.  Precondition: resident (else invalid_argument).
+    void mark_dirty(int32_t c);
     // Bring chunk c back from the host.  Preconditions: on host, not resident.
     // NO_ROOM when no block is free and nothing is evictable.
     AllocResult recall(int32_t c);

@@ -131,6 +131,7 @@ Runtime::Runtime(std::shared_ptr<Model> model, RuntimeConfig cfg) : model_(std::
         }
         ring_ = std::make_unique<SlidingRing>(backend_, R, hp.n_swa, kvt, hp.n_embd_k_swa(), hp.n_embd_v_swa(),
                                               ring_bufts);
+        ring_bufts_ = ring_bufts;
         memories_.push_back(ring_.get());
     }
 }
@@ -139,6 +140,8 @@ Runtime::~Runtime() {
     decode_graph_.reset();
     batch_graph_.reset();
     exact_graph_.reset();
+    reread_graph_.reset();
+    scratch_ring_.reset();
     recr_.reset();
     ring_.reset();
     paged_.reset();
@@ -345,7 +348,8 @@ bool Runtime::use_pool_attn(int32_t n) const {
 
 Runtime::Graph *Runtime::get_graph(int32_t n, int32_t n_kv, bool all_logits, const EvalOptions &opt) {
     // Exact graphs have a slot of their own, so a speculative round keeps its decode graph.
-    std::unique_ptr<Graph> &slot = opt.exact ? exact_graph_ : n == 1 ? decode_graph_ : batch_graph_;
+    // A reread's graph binds the scratch ring (swapped in while it builds and runs): a slot of its own.
+    std::unique_ptr<Graph> &slot = rereading_ ? reread_graph_ : opt.exact ? exact_graph_ : n == 1 ? decode_graph_ : batch_graph_;
     if (slot && slot->n == n && slot->n_kv == n_kv && slot->all_logits == all_logits && slot->exact == opt.exact &&
         slot->capture_all == opt.capture_all && slot->one_row == (opt.one_row_products && n > 1))
         return slot.get();
@@ -449,6 +453,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     std::vector<int32_t> slots(n);
     if (paged_->pager().alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
         throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
+    // a pooled piece once something is on the host only: it attends less than the whole context
+    const bool pooled = !opt.exact && !full_cache_ && paged_->pager().stats().host_chunks > 0;
     // Attention covers the occupied prefix of the pool, in steps of 256 slots; exact attention covers
     // the context's positions in the same steps (what the full cache's identity placement attends).
     const int32_t n_kv = opt.exact ? int32_t((pos0 + n + 255) / 256 * 256)
@@ -480,6 +486,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
         throw;
     }
     n_past_ = pos0 + n;
+    if (pooled && pooled_from_ < 0) pooled_from_ = pos0;
+    if (hist_.on && ring_) history_put(*ring_, pos0, n);
     if (recr_) take_checkpoint();
     stats_.n_eval_calls++;
     stats_.n_tokens_evaluated += n;
@@ -695,6 +703,9 @@ void Runtime::truncate_to(int64_t n_past, const RecurrentState::HostCheckpoint *
         if (m != restored) m->truncate(n_past);
     if (restored) recr_->restore(*ck);
     while (!checkpoints_.empty() && checkpoints_.back().pos > n_past) checkpoints_.pop_back();
+    if (pooled_from_ >= n_past) pooled_from_ = -1;
+    hist_.hi = std::min(hist_.hi, n_past);
+    hist_.lo = std::min(hist_.lo, hist_.hi);
     if (observer_) observer_->truncated(*this, n_past);
     // Captured queries at positions >= n_past go with the cache; the window keeps its start.
     if (n_captured_ > 0) {
@@ -724,6 +735,8 @@ int64_t Runtime::max_rewind() const {
 void Runtime::reset() {
     for (Memory *m : memories_) m->reset();
     checkpoints_.clear();
+    pooled_from_ = -1;
+    hist_.base = hist_.lo = hist_.hi = 0;
     if (observer_) observer_->truncated(*this, 0);
     n_captured_ = 0;
     n_past_ = 0;
@@ -756,6 +769,174 @@ void Runtime::chunk_keys_synced(int32_t c, int32_t il, float *out) const {
         if (k->type == GGML_TYPE_F32) std::memcpy(row, raw.data() + size_t(i) * k->nb[1], E * sizeof(float));
         else tr->to_float(raw.data() + size_t(i) * k->nb[1], row, E);
     }
+}
+
+// ---- reread: a past span computed again in place with exact attention
+
+void Runtime::history_put(const SlidingRing &from, int64_t pos0, int32_t n) {
+    // the history stays one contiguous run of positions: a piece that does not extend it starts it again
+    if (pos0 < hist_.lo || pos0 > hist_.hi) {
+        hist_.base = hist_.lo = hist_.hi = pos0;
+        for (auto &r : hist_.k) r.clear();
+        for (auto &r : hist_.v) r.clear();
+    }
+    const int32_t nl = from.n_layers(), R = from.tokens();
+    hist_.k.resize(size_t(nl));
+    hist_.v.resize(size_t(nl));
+    for (int32_t i = 0; i < nl; ++i)
+        for (bool isv : {false, true}) {
+            const ggml_tensor *t = isv ? from.v(i) : from.k(i);
+            std::vector<uint8_t> &rows = isv ? hist_.v[size_t(i)] : hist_.k[size_t(i)];
+            const size_t rb = t->nb[1];
+            rows.resize(std::max(rows.size(), size_t(pos0 + n - hist_.base) * rb));
+            for (int32_t j = 0; j < n;) {   // ring rows are contiguous up to its wrap
+                const int64_t r = (pos0 + j) % R;
+                const int32_t m = int32_t(std::min<int64_t>(n - j, R - r));
+                ggml_backend_tensor_get(t, rows.data() + size_t(pos0 + j - hist_.base) * rb, size_t(r) * rb, size_t(m) * rb);
+                j += m;
+            }
+        }
+    hist_.hi = std::max(hist_.hi, pos0 + n);   // (a reread rewrites rows inside the run)
+}
+
+void Runtime::keep_swa_history(bool on) {
+    hist_ = SwaHistory{};
+    hist_.on = on;
+    if (!on || !ring_ || n_past_ == 0) return;
+    // seeded with the run of positions before n_past the ring still holds
+    const std::vector<int64_t> &held = ring_->positions();
+    const int32_t R = ring_->tokens();
+    int64_t from = n_past_;
+    while (from > 0 && n_past_ - from < R && held[size_t((from - 1) % R)] == from - 1) --from;
+    hist_.base = hist_.lo = hist_.hi = from;
+    if (from < n_past_) history_put(*ring_, from, int32_t(n_past_ - from));
+}
+
+std::string Runtime::reread_refusal(int64_t pos0, int32_t n) const {
+    if (!ggml_backend_is_cpu(backend_) || remote())
+        return "reread: exact attention reads the host store from kvflash's CPU kernel, in one process (the CPU "
+               "backend only)";
+    if (cfg_.attn == "ggml") return "reread: exact attention is kvflash's CPU kernel; this runtime was made with attn='ggml'";
+    if (recr_) return "reread: recurrent layers carry their state forward; a past span cannot be read again in place";
+    if (n <= 0 || pos0 < 0 || pos0 + n > n_past_)
+        return "reread: the span [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) + ") must be written: inside [0, " +
+               std::to_string(n_past_) + ")";
+    const Pager &pg = paged_->pager();
+    const int32_t C = cfg_.chunk_tokens;
+    for (int64_t c = pos0 / C; c <= (pos0 + n - 1) / C; ++c)
+        if (pg.block_of(int32_t(c)) < 0) return "reread: chunk " + std::to_string(c) + " is not resident (recall it first)";
+    for (int64_t p = pos0; p < pos0 + n; ++p)
+        if (pg.slot_of(p) < 0) return "reread: position " + std::to_string(p) + " is not written";
+    if (ring_) {
+        const int64_t need = std::max<int64_t>(0, pos0 - ring_->window() + 1);
+        if (!hist_.on) return "reread: the sliding-window layers need their history (keep_swa_history(true) before the span is read)";
+        if (hist_.lo > need || hist_.hi < pos0 + n)
+            return "reread: the sliding history holds [" + std::to_string(hist_.lo) + ", " + std::to_string(hist_.hi) +
+                   "), not the window before the span and the span ([" + std::to_string(need) + ", " +
+                   std::to_string(pos0 + n) + "))";
+    }
+    return "";
+}
+
+void Runtime::reread(const int32_t *tokens, int64_t pos0, int32_t n) {
+    const std::string why = reread_refusal(pos0, n);
+    if (!why.empty()) throw std::invalid_argument(why);
+    const int32_t V = model_->hparams().n_vocab;
+    for (int32_t i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            throw std::invalid_argument("reread: token id " + std::to_string(tokens[i]) + " outside [0, " + std::to_string(V) + ")");
+    // pieces as exact prefill cuts them (ubatch); with sliding layers no longer than the scratch ring
+    // holds beside the window
+    int32_t most = cfg_.ubatch;
+    if (ring_) most = std::min(most, ring_->tokens() - ring_->window());
+    most = std::max(1, most);
+    for (int32_t done = 0; done < n;) {
+        const int32_t m = std::min(n - done, most);
+        reread_piece(tokens + done, pos0 + done, m, done == 0);
+        done += m;
+    }
+}
+
+void Runtime::reread_piece(const int32_t *tokens, int64_t pos0, int32_t n, bool load_window) {
+    Pager &pg = paged_->pager();
+    const int32_t C = cfg_.chunk_tokens;
+    std::vector<int32_t> slots(n);
+    for (int32_t i = 0; i < n; ++i) slots[size_t(i)] = pg.slot_of(pos0 + i);
+    if (ring_) {
+        if (!scratch_ring_) {
+            const Hparams &hp = model_->hparams();
+            scratch_ring_ = std::make_unique<SlidingRing>(backend_, ring_->tokens(), ring_->window(), ring_->k(0)->type,
+                                                          hp.n_embd_k_swa(), hp.n_embd_v_swa(), ring_bufts_);
+        }
+        if (load_window) {
+            // the scratch ring holds the window before pos0, from the history (the pieces after the first
+            // find theirs there: the ring holds the window plus a piece)
+            SlidingRing &sr = *scratch_ring_;
+            const int32_t R = sr.tokens();
+            std::vector<int64_t> held(size_t(R), -1);
+            for (int64_t p = std::max<int64_t>(0, pos0 - sr.window() + 1); p < pos0; ++p) {
+                held[size_t(p % R)] = p;
+                for (int32_t i = 0; i < sr.n_layers(); ++i) {
+                    const size_t kb = sr.k(i)->nb[1], vb = sr.v(i)->nb[1];
+                    ggml_backend_tensor_set(sr.k(i), hist_.k[size_t(i)].data() + size_t(p - hist_.base) * kb, size_t(p % R) * kb, kb);
+                    ggml_backend_tensor_set(sr.v(i), hist_.v[size_t(i)].data() + size_t(p - hist_.base) * vb, size_t(p % R) * vb, vb);
+                }
+            }
+            sr.set_positions(std::move(held));
+        }
+    }
+    // the rows change from here on: the host copies of the span's chunks are stale
+    for (int64_t c = pos0 / C; c <= (pos0 + n - 1) / C; ++c) pg.mark_dirty(int32_t(c));
+    struct Swap {   // the scratch ring stands in for the decode ring while the piece builds and runs
+        Runtime &rt;
+        explicit Swap(Runtime &r) : rt(r) {
+            rt.rereading_ = true;
+            if (rt.ring_) std::swap(rt.ring_, rt.scratch_ring_);
+        }
+        ~Swap() {
+            if (rt.ring_) std::swap(rt.ring_, rt.scratch_ring_);
+            rt.rereading_ = false;
+            rt.decode_mask_epoch_ = -1;
+        }
+    };
+    const int32_t n_kv = int32_t((pos0 + n + 255) / 256 * 256);
+    EvalOptions opt;
+    opt.exact = true;
+    {
+        Swap swap(*this);
+        Graph *g = get_graph(n, n_kv, false, opt);
+        auto t0 = clk::now();
+        ggml_backend_tensor_set(g->tokens, tokens, 0, sizeof(int32_t) * n);
+        set_masks(*g, pos0, n, slots.data(), n_kv);
+        set_exact_rows(*g, pos0, n);
+        stats_.t_mask_ms += ms_since(t0);
+        t0 = clk::now();
+        std::lock_guard<std::mutex> lock(model_->compute_mutex());
+        if (ggml_backend_graph_compute(backend_, g->gf) != GGML_STATUS_SUCCESS)
+            throw std::runtime_error("reread: graph compute failed");
+        sync_for_host_read();
+        stats_.t_compute_ms += ms_since(t0);
+    }
+    stats_.n_eval_calls++;
+    stats_.n_tokens_evaluated += n;
+    if (ring_) {
+        // the new sliding rows: into the history, and into the decode ring where it still holds them
+        history_put(*scratch_ring_, pos0, n);
+        const int32_t R = ring_->tokens(), Rs = scratch_ring_->tokens();
+        std::vector<uint8_t> row;
+        for (int64_t p = pos0; p < pos0 + n; ++p) {
+            if (ring_->positions()[size_t(p % R)] != p) continue;
+            for (int32_t i = 0; i < ring_->n_layers(); ++i)
+                for (bool isv : {false, true}) {
+                    ggml_tensor *src = isv ? scratch_ring_->v(i) : scratch_ring_->k(i), *dst = isv ? ring_->v(i) : ring_->k(i);
+                    const size_t rb = dst->nb[1];
+                    row.resize(rb);
+                    ggml_backend_tensor_get(src, row.data(), size_t(p % Rs) * rb, rb);
+                    ggml_backend_tensor_set(dst, row.data(), size_t(p % R) * rb, rb);
+                }
+        }
+    }
+    if (observer_) observer_->rewritten(*this, pos0, n);
 }
 
 }  // namespace kvflash

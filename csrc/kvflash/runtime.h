@@ -98,6 +98,8 @@ struct CacheObserver {
     virtual void evaluated(const Runtime &rt, int64_t pos0, int32_t n) = 0;
     // Positions >= n_past are gone (0: a reset).
     virtual void truncated(const Runtime &rt, int64_t n_past) = 0;
+    // Positions [pos0, pos0 + n), written before, were computed again in place (Runtime::reread).
+    virtual void rewritten(const Runtime &rt, int64_t pos0, int32_t n) { evaluated(rt, pos0, n); }
 };
 
 class Runtime {
@@ -133,6 +135,32 @@ public:
         return p;
     }
     void reset();
+
+    // Reads the written positions [pos0, pos0 + n) (pos0 + n <= n_past) again IN PLACE with exact
+    // attention: each token attends every position before it -- resident rows from the pool, paged-out
+    // ones from the host store, as exact prefill does -- and its K/V rows overwrite the ones its first
+    // (pooled) read wrote, in its chunk's pool block.  Nothing else changes: n_past, residency, the
+    // capture window, the logits.  Repairs the K/V a pooled prefill computed with most of the context
+    // out of the pool (issue 40), for the chunks that matter, at the price of reading just them again.
+    // Sliding-window layers (gemma3) read the window before pos0 from the sliding history
+    // (keep_swa_history) in a scratch ring of their own; the decode ring keeps its rows, those of
+    // re-read positions it still holds updated.  The span's chunks must be resident; the rewritten
+    // chunks are dirty (their host copies stale) until paged out again.  The CPU backend, in one
+    // process, attn 'auto' or 'pool', no recurrent layers: std::invalid_argument otherwise (the reason
+    // given); can_reread says so beforehand.  A failure part way leaves each layer's rows either read
+    // again or as they were (K/V a pooled read could have made), never anything else.
+    void reread(const int32_t *tokens, int64_t pos0, int32_t n);
+    // "" when reread(pos0, n) would run, else why not.
+    std::string reread_refusal(int64_t pos0, int32_t n) const;
+    // Sliding-window layers: keep every position's rows in host RAM from now on (seeded with what the
+    // ring holds), so reread can give a past position its window; off frees them.  The rows of the
+    // positions evaluated since (sliding layers x positions x (K + V) row bytes, transient: a session
+    // keeps them through one prompt's settle).  No-op without sliding layers.
+    void keep_swa_history(bool on);
+    // The first position of the current context a piece evaluated without every earlier position in
+    // the pool (a pooled piece after an eviction; -1: none since the last reset).  The K/V from there on
+    // are approximate: what reread repairs.
+    int64_t pooled_from() const { return pooled_from_; }
     // The one observer (nullptr: none); it lives as long as the runtime holds it.
     void set_observer(std::shared_ptr<CacheObserver> obs) { observer_ = std::move(obs); }
 
@@ -243,7 +271,20 @@ private:
     void take_checkpoint();               // after a piece: the last chunk boundary the rings still hold
     std::vector<Memory *> memories_;      // each of the above that exists: truncate and reset ask them all
     std::vector<int32_t> paged_index_;    // model layer -> pool layer (>= 0) or -2 - ring index (sliding)
-    std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_;
+    std::unique_ptr<Graph> decode_graph_, batch_graph_, exact_graph_, reread_graph_;
+    // reread's state: the sliding layers' history (positions [lo, hi), row p at p - base), the scratch
+    // ring a reread's sliding layers use (made at the first reread), the graph slot it builds for
+    std::vector<ggml_backend_buffer_type_t> ring_bufts_;
+    std::unique_ptr<SlidingRing> scratch_ring_;
+    struct SwaHistory {
+        bool on = false;
+        int64_t base = 0, lo = 0, hi = 0;
+        std::vector<std::vector<uint8_t>> k, v;   // per ring layer, rows of positions base ..
+    } hist_;
+    bool rereading_ = false;
+    int64_t pooled_from_ = -1;
+    void history_put(const SlidingRing &from, int64_t pos0, int32_t n);   // rows of [pos0, pos0 + n) in `from`
+    void reread_piece(const int32_t *tokens, int64_t pos0, int32_t n, bool load_window);
     std::vector<char> zero_rows_;         // a chunk of zero rows: the row tables' stand-in for unwritten chunks
     std::vector<uint16_t> decode_mask_;
     int64_t decode_mask_epoch_ = -1;

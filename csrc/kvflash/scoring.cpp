@@ -19,6 +19,12 @@ namespace kvflash {
 
 // ---------------------------------------------------------------- chunk summaries
 
+void ChunkSummaries::rewritten(const Runtime &rt, int64_t pos0, int32_t n) {
+    const int64_t C = rt.config().chunk_tokens;
+    for (int64_t c = pos0 / C; c <= (pos0 + n - 1) / C && c < int64_t(ready_.size()); ++c) ready_[size_t(c)] = 0;
+    evaluated(rt, pos0, n);
+}
+
 void ChunkSummaries::evaluated(const Runtime &rt, int64_t pos0, int32_t n) {
     const Pager &pg = rt.pager();
     const int32_t C = rt.config().chunk_tokens, L = rt.pool().n_layers(), E = rt.model().hparams().n_embd_k();

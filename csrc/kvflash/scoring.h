@@ -21,6 +21,8 @@ class ChunkSummaries final : public CacheObserver {
 public:
     void evaluated(const Runtime &rt, int64_t pos0, int32_t n) override;
     void truncated(const Runtime &rt, int64_t n_past) override;
+    // a reread chunk's keys changed: its summary is taken again
+    void rewritten(const Runtime &rt, int64_t pos0, int32_t n) override;
     // Scores chunks [0, n) against the last captured query: per paged layer the max
     // over query heads of q . summary (MEAN: the chunk's normalised mean key; BOUND:
     // sum_d max(q_d min_d, q_d max_d), an upper bound of q . k over the chunk), then

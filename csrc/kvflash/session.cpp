@@ -240,6 +240,13 @@ int32_t Session::prefill_(const int32_t *ids, int32_t n, const ProgressFn &progr
             if (progress) progress(done, total);
         };
     }
+    // the sliding layers' rows of the prompt, for the settle's re-read (freed when the prompt is settled)
+    struct History {
+        Runtime *rt;
+        bool on;
+        ~History() { if (on) rt->keep_swa_history(false); }
+    } history{rt_.get(), cfg_.prefill_reread && scored() && !opt.exact && rt_->ring() != nullptr};
+    if (history.on) rt_->keep_swa_history(true);
     eval(ids, n, false, l.data(), opt);
     logits_.swap(l);
     settle_prompt(n);
@@ -250,11 +257,17 @@ void Session::settle_prompt(int32_t n) {
     if (!scored() || rt_->pager().stats().host_chunks == 0) return;
     // The prompt outgrew the pool: the residents are chosen against its tail now (the question
     // usually sits there); then its last tokens are read again so they, not only the last one,
-    // attend to the chosen chunks in every layer.  Exact prefill's K/V are already the full
+    // attend to the chosen chunks in every layer.  With prefill_reread the chosen chunks the pooled
+    // pieces wrote are first read again in place over the whole context (their K/V as the full cache
+    // would make them), so the tail re-read attends those.  Exact prefill's K/V are already the full
     // cache's: a re-read over the pool would only make them approximate.
     since_rescore_ = 0;
-    if (rescore() > 0 && !exact_prefill()) {
-        const int32_t k = std::max(1, std::min(n, cfg_.reeval_tokens));
+    const int32_t moved = rescore();
+    if (exact_prefill()) return;
+    const int32_t k = std::max(1, std::min(n, cfg_.reeval_tokens));
+    int64_t reread = 0;
+    if (cfg_.prefill_reread) reread = reread_resident(rt_->n_past() - n, rt_->n_past() - k);
+    if (moved > 0 || reread > 0) {
         // a recurrent state rewinds to its nearest checkpoint: the tokens from there are read again
         const int64_t end = rt_->n_past(), p = rt_->recurrent() ? rt_->rewind_point(end - k) : end - k;
         const std::vector<int32_t> again(tokens_.begin() + p, tokens_.begin() + end);
@@ -448,6 +461,34 @@ void Session::settle() {
 }
 
 // ---- scoring
+
+void Session::reread(int64_t pos0, int32_t n) {
+    if (pos0 < 0 || n <= 0 || pos0 + n > int64_t(tokens_.size()))
+        throw std::invalid_argument("reread: the span [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n) +
+                                    ") must lie inside the history [0, " + std::to_string(tokens_.size()) + ")");
+    rt_->reread(tokens_.data() + pos0, pos0, n);
+}
+
+int64_t Session::reread_resident(int64_t from, int64_t until) {
+    const int64_t pooled = rt_->pooled_from();
+    if (pooled < 0) return 0;
+    const Pager &pg = rt_->pager();
+    const int64_t C = rt_->config().chunk_tokens;
+    const int64_t c0 = std::max<int64_t>(std::max<int64_t>(from, 0), pooled) / C, c1 = std::min<int64_t>(until, rt_->n_past()) / C;
+    int64_t done = 0;
+    for (int64_t c = c0; c < c1;) {
+        if (pg.block_of(int32_t(c)) < 0 || pg.n_written(int32_t(c)) != C) { ++c; continue; }
+        int64_t e = c + 1;
+        while (e < c1 && pg.block_of(int32_t(e)) >= 0 && pg.n_written(int32_t(e)) == C) ++e;
+        const int32_t len = int32_t((e - c) * C);
+        if (rt_->reread_refusal(c * C, len).empty()) {
+            rt_->reread(tokens_.data() + c * C, c * C, len);
+            done += len;
+        }
+        c = e;
+    }
+    return done;
+}
 
 int32_t Session::rescore(int64_t keep_recent) {
     const int32_t n = n_chunks();

@@ -57,6 +57,13 @@ struct SessionConfig {
     // queries rank highest (0: none, the settling rescore only).  Qk scorers only (they read no token
     // list); no effect with exact prefill, whose pieces attend every position anyway.
     int32_t prefill_rescore = 0;
+    // A scored session's prompt that outgrew the pool: after the settling rescore, the resident chunks
+    // the pooled read computed with part of the context out of the pool are read again in place with
+    // exact attention (Runtime::reread), before the tail's re-read, so the chunks decode attends hold
+    // the K/V the full cache would have given them (their attention reached the whole prompt).  Costs
+    // those chunks' tokens once more over the whole context; with sliding-window layers, the
+    // prompt's sliding rows in host RAM while it is read and settled.  No effect with exact prefill.
+    bool prefill_reread = false;
     uint64_t seed = 0;
     bool exact = false;         // exact mode: speculative rounds verified over the whole context
     int32_t exact_draft = -1;   // drafts per round (-1: adaptive)
@@ -184,6 +191,13 @@ public:
     int32_t rescore(int64_t keep_recent = 0);
     // Scores handed in (one per chunk, up to n_chunks(), no NaN): repages the pool.
     int32_t reselect(const float *scores, int32_t n);
+    // Reads the history's [pos0, pos0 + n) again in place with exact attention (Runtime::reread; its
+    // errors).  The settle's repair; the tests and the bench call it directly.
+    void reread(int64_t pos0, int32_t n);
+    // What prefill_reread does after a settling rescore: the resident chunks in [from, until) written
+    // by pooled pieces, read again in runs of consecutive chunks; a run reread refuses (a sliding
+    // window the history lacks) is left as it is.  Returns the tokens read again.
+    int64_t reread_resident(int64_t from, int64_t until);
 
     // ---- low-level evaluation (the bench, tests, exact mode's round, a scoring runtime): the
     // history follows the cache through each of them.

@@ -31,7 +31,7 @@ def is_bool(v) -> bool:
 
 
 def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill, exact_draft, tau, kvflash,
-                       reeval_tokens, prefill_rescore=0) -> None:
+                       reeval_tokens, prefill_rescore=0, prefill_reread=False) -> None:
     """Session's arguments that need no model to check."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
@@ -55,6 +55,8 @@ def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill
     if not is_int(prefill_rescore, 0):
         raise ValueError(f"prefill_rescore must be an integer >= 0 (pooled prefill pieces between qk rescores; 0: "
                          f"none), got {prefill_rescore!r}")
+    if not isinstance(prefill_reread, bool):
+        raise ValueError(f"prefill_reread must be True or False, got {prefill_reread!r}")
 
 
 def check_max_ctx(max_ctx, n_ctx_train: int, allow_long_ctx: bool) -> None:
@@ -79,13 +81,16 @@ def check_prefill_piece(prefill_piece, pool: int, chunk_tokens: int, sink_chunks
                          f"tokens (pool minus sink, tail window and the open chunk)")
 
 
-def check_exact_device(device: str, exact: bool, exact_prefill: bool) -> None:
+def check_exact_device(device: str, exact: bool, exact_prefill: bool, prefill_reread: bool = False) -> None:
     if exact and not str(device).startswith("cpu"):
         raise ValueError(f"exact=True verifies on the CPU backend (its attention reads the host store in place); "
                          f"the model is on {device}: use device='cpu'")
     if exact_prefill and not str(device).startswith("cpu"):
         raise ValueError(f"exact_prefill=True reads the host store in place on the CPU backend; the model is on "
                          f"{device}: use device='cpu'")
+    if prefill_reread and not str(device).startswith("cpu"):
+        raise ValueError(f"prefill_reread=True reads chunks again over the host store on the CPU backend; the model "
+                         f"is on {device}: use device='cpu'")
 
 
 def rpc_args(rpc, tensor_split):

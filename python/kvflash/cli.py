@@ -23,6 +23,9 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("--kvflash-prefill-rescore", type=int, default=0, metavar="N",
                    help="qk policies: rescore every N pooled pieces while a prompt is read, so later pieces attend "
                    "the chunks the latest piece ranks highest beside the recent half of the pool (0: off)")
+    p.add_argument("--kvflash-prefill-reread", action="store_true",
+                   help="scoring policies: when a prompt outgrew the pool, read the chunks its settle chose again in "
+                   "place over the whole context (pool and host store), so decode attends their exact K/V (CPU)")
     p.add_argument("--prefill-drafter", default=None, help="drafter GGUF for the drafter policy")
     p.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
     p.add_argument("-t", "--threads", type=int, default=None)
@@ -60,7 +63,8 @@ def _make_session(a):
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
-                   exact_prefill=a.kvflash_exact_prefill, prefill_rescore=a.kvflash_prefill_rescore, rpc=a.rpc,
+                   exact_prefill=a.kvflash_exact_prefill, prefill_rescore=a.kvflash_prefill_rescore,
+                   prefill_reread=a.kvflash_prefill_reread, rpc=a.rpc,
                    tensor_split=a.tensor_split)
 
 

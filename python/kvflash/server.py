@@ -969,6 +969,7 @@ def serve(args) -> int:
                         allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),
                         exact_prefill=getattr(args, "kvflash_exact_prefill", False),
                         prefill_rescore=getattr(args, "kvflash_prefill_rescore", 0),
+                        prefill_reread=getattr(args, "kvflash_prefill_reread", False),
                         verbose=i == 0) for i in range(args.parallel)]
     # the id it lists: --alias, else the registry name it was started with, else the file's stem; the name or
     # path it was started with is always accepted

@@ -48,18 +48,19 @@ class Session:
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
-                 ubatch: int = 512, reeval_tokens: int = 64, prefill_rescore: int = 0, verbose: bool = True,
+                 ubatch: int = 512, reeval_tokens: int = 64, prefill_rescore: int = 0, prefill_reread: bool = False,
+                 verbose: bool = True,
                  device: str = "auto",
                  max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
                  exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False,
                  rpc: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None):
         check_session_args(kv_type=kv_type, threads=threads, max_host_bytes=max_host_bytes, exact=exact,
                            exact_prefill=exact_prefill, exact_draft=exact_draft, tau=tau, kvflash=kvflash,
-                           reeval_tokens=reeval_tokens, prefill_rescore=prefill_rescore)
+                           reeval_tokens=reeval_tokens, prefill_rescore=prefill_rescore, prefill_reread=prefill_reread)
         rpc, tensor_split = rpc_args(rpc, tensor_split)
-        if rpc and (exact or exact_prefill):
-            raise ValueError("exact=True and exact_prefill=True read the host store in place with kvflash's CPU "
-                             "kernel in one process; they cannot run with layers on RPC servers (rpc=...)")
+        if rpc and (exact or exact_prefill or prefill_reread):
+            raise ValueError("exact=True, exact_prefill=True and prefill_reread=True read the host store in place with "
+                             "kvflash's CPU kernel in one process; they cannot run with layers on RPC servers (rpc=...)")
         if isinstance(model, _core.Model):
             if rpc:
                 raise ValueError("rpc= places a model's layers when it is loaded; this Model is already loaded: pass "
@@ -77,7 +78,7 @@ class Session:
                                      tensor_split=tensor_split)
         self.device = self.model.device
         self.remote_layers = list(self.model.remote_layers)
-        check_exact_device(self.device, exact, exact_prefill)
+        check_exact_device(self.device, exact, exact_prefill, prefill_reread)
         hp = self.model.hparams
         self.hparams = hp
         if max_ctx is None:
@@ -94,6 +95,9 @@ class Session:
         self.kv_type = kv_type
         self.reeval_tokens = reeval_tokens
         self.prefill_rescore = prefill_rescore
+        # A scored session's prompt that outgrew the pool: its settle reads the chosen chunks the pooled pieces
+        # wrote again in place over the whole context (Runtime.reread), before the tail's re-read.
+        self.prefill_reread = prefill_reread
 
         # The policy (the drafter resolved, or the fallback decided) before sizing the pool: what it declares
         # it needs (Requirements) sizes the pool's neighbours and the runtime's capture window.
@@ -186,6 +190,7 @@ class Session:
             rt.set_scorer(self._policy_scores)
             scorer = dict(scorer="external")
         rt.configure(**scorer, tau=self.tau, reeval_tokens=self.reeval_tokens, prefill_rescore=self.prefill_rescore,
+                     prefill_reread=self.prefill_reread,
                      exact=self.exact,
                      exact_draft=-1 if self.exact_draft is None else self.exact_draft,
                      exact_prefill=self.exact_prefill, allow_long_ctx=self._allow_long_ctx,

@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-rescore", dest="prefill_rescore", type=int, default=None,
                    help="kvflash sessions with a qk policy rescore every N pooled prefill pieces, so later pieces "
                         "attend the chunks the latest piece ranks highest (Session(prefill_rescore=N); 0: off)")
+    p.add_argument("--prefill-reread", dest="prefill_reread", action="store_true", default=None,
+                   help="kvflash sessions with a scoring policy read the chosen chunks their pooled prefill wrote again "
+                        "in place with exact attention at the settle (Session(prefill_reread=True))")
     p.add_argument("--depths", type=_int_list, help="needle depths in percent, comma list (default 10,50,90)")
     p.add_argument("--seed", type=int, default=1234, help="seed for prompts and sampling (default 1234)")
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md", help="stdout format (default md)")
@@ -271,6 +274,7 @@ def config_for(args, routine: str) -> BenchConfig:
                     ("ruler_logged_only", "ruler_logged_only"), ("exact_prompts", "exact_prompts"),
                     ("exact_tokens", "exact_tokens"), ("exact_draft", "exact_draft"),
                     ("exact_prefill", "exact_prefill"), ("prefill_rescore", "prefill_rescore"),
+                    ("prefill_reread", "prefill_reread"),
                     ("load_seconds", "load_seconds")]:
         v = getattr(args, k)
         if v is not None:

@@ -71,6 +71,7 @@ class BenchConfig:
     exact_draft: Optional[int] = None      # exact: drafts per round (None: the session's adaptive choice)
     exact_prefill: bool = False            # kvflash sessions prefill as the full cache does (Session(exact_prefill=True))
     prefill_rescore: int = 0               # qk rescore every N pooled prefill pieces (Session(prefill_rescore=N))
+    prefill_reread: bool = False           # the settle re-reads the chosen chunks in place (Session(prefill_reread=True))
     seed: int = 1234
     # where sessions compute: "cpu", or a GPU as Session takes it ("vulkan:0", "cuda:0", "auto"); memory, paging
     # and decode measure the device's pool there (paging: a standalone Pager on the device)
@@ -359,6 +360,8 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
             kw["exact_prefill"] = True
         if cfg.prefill_rescore:
             kw["prefill_rescore"] = cfg.prefill_rescore
+        if cfg.prefill_reread:
+            kw["prefill_reread"] = True
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

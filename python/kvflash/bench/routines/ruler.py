@@ -65,7 +65,8 @@ def _log_identity(cfg: BenchConfig) -> dict:
             "reserve": cfg.answer_tokens,
             # only when set, so logs written before the option still match its default
             **({"exact_prefill": True} if cfg.exact_prefill else {}),
-            **({"prefill_rescore": cfg.prefill_rescore} if cfg.prefill_rescore else {})}
+            **({"prefill_rescore": cfg.prefill_rescore} if cfg.prefill_rescore else {}),
+            **({"prefill_reread": True} if cfg.prefill_reread else {})}
 
 
 def _drafter(cfg: BenchConfig):
@@ -212,8 +213,11 @@ def run_ruler(cfg: BenchConfig) -> Result:
                                 s.restore(snap)
                                 s.policy = pols[name]
                                 r0, t0 = s._rescore_s, time.perf_counter()
-                                if cfg.prefill_rescore and isinstance(pols[name], QKPolicy):
-                                    # the prefill itself depends on the policy: this one reads the prompt
+                                if (cfg.prefill_rescore and isinstance(pols[name], QKPolicy)) or \
+                                        (cfg.prefill_reread and name != "lru"):
+                                    # the prefill itself depends on the policy (its rescores), or its settle
+                                    # needs what only a prefill keeps (the sliding layers' rows for the
+                                    # re-read): this one reads the prompt
                                     s.reset()
                                     s.prefill(tr.ids)
                                     mode_pre = time.perf_counter() - t0
@@ -284,6 +288,11 @@ def run_ruler(cfg: BenchConfig) -> Result:
                          f"itself, rescoring every {cfg.prefill_rescore} pooled piece(s) so the next pieces attend the "
                          "chunks the latest piece ranks highest (its prefill_s and settle_s are that prefill, "
                          "rescores included); lru and the drafter share the LRU prefill")
+    if cfg.prefill_reread:
+        res.notes.append("prefill re-read (--prefill-reread): each scoring policy prefills the prompt itself and its "
+                         "settle reads the chosen chunks the pooled pieces wrote again in place with exact attention "
+                         "(Session(prefill_reread=True)); its prefill_s and settle_s are that prefill, settle and "
+                         "re-read included; lru shares the LRU prefill")
     if (n := _long_note(cfg, max(ctxs))):
         res.notes.append(n)
     res.raw = [dict(m, key=rec["key"], context=rec["context"], task=rec["task"], haystack=rec["haystack"],
