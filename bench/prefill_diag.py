@@ -21,6 +21,9 @@ Modes (comma list, `--modes`):
               with exact prefill switched on only for those chunks (+-M tokens): an upper bound on re-reading the
               chosen chunks exactly after the settle (costs a second prefill; quality probe only)
   exact       exact prefill (every position attended, the host store read in place)
+  reread      the pooled prefill as `pool`, then the settle with Session(prefill_reread=True): the chosen chunks
+              the pooled pieces wrote are read again in place over the whole context (Runtime.reread), before
+              the tail's re-read -- the in-place form of pool:c0 (one prefill, not two)
 
     python bench/prefill_diag.py --task multikey --context 4096 --residency 16 --trials 0,1,2,3 \
         --modes full,pool,pool:r256,pool:s4,exact --out DIR
@@ -139,6 +142,9 @@ def main() -> None:
                 else:
                     opt = {p[0]: int(p[1:]) for p in parts[1:]}
                     s = pooled(opt.get("s", 1), parts[0] == "exact", opt.get("p", 0))
+                s.prefill_reread = parts[0] == "reread"
+                if s is not full:
+                    s._configure_core()
                 s.reset()
                 t0 = time.perf_counter()
                 if s is full:
@@ -179,11 +185,15 @@ def main() -> None:
                     s._settle_prompt(tr.ids)
                 else:
                     s.reeval_tokens = opt.get("r", 64)
-                    # the pooled prefill under LRU, then the qk settle (as the ruler routine shares one prefill)
+                    # the pooled prefill under LRU, then the qk settle (as the ruler routine shares one prefill);
+                    # reread: the sliding layers' rows kept while it reads, for the settle's re-read
                     s.policy = LRUPolicy()
+                    if s.prefill_reread:
+                        s.runtime.keep_swa_history(True)
                     s.prefill(tr.ids)
                     s.policy = QKPolicy()
                     s._settle_prompt(tr.ids)
+                    s.runtime.keep_swa_history(False)
                 pre = time.perf_counter() - t0
                 kept = None
                 if s is not full:
