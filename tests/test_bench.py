@@ -31,6 +31,8 @@ def tiny(tmp_path_factory):
     ("decode", ["--contexts", "600,1024", "--repeats", "2", "--steps", "4", "--policy", "qk",
                 "--control", "kvflash"]),
     ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
+    # beside the plain pooled prefill, the same with the settle's re-read of the chosen chunks
+    ("prefill", ["--contexts", "1024", "--repeats", "2", "--control", "kvflash", "--policy", "qk", "--prefill-reread"]),
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
     ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
@@ -39,6 +41,9 @@ def tiny(tmp_path_factory):
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
                "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
                "--split", "tuning", "--exact-prefill"]),
+    ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
+               "--chunk-tokens", "16", "--policies", "qk", "--haystacks", "filler,ledger", "--tasks", "multikey",
+               "--split", "tuning", "--prefill-reread"]),
     # RULER's other families and a corpus haystack beside the filler
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
                "--chunk-tokens", "16", "--policies", "lru,qk", "--haystacks", "chat,filler",
@@ -141,7 +146,15 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert kv["rescores"]["min"] >= 3 and kv["rescores"]["max"] >= 4 and rows[3]["rescores"]["max"] == 0, rows
         assert "x (" in kv["speed_ratio"] and "x (" in ctl["speed_ratio"]
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
-    if routine == "prefill":
+    if routine == "prefill" and "--prefill-reread" in extra:
+        res = data["results"][0]
+        assert [r["mode"] for r in res["rows"]] == ["full", "kvflash", "kvflash+reread", "kvflash (A/A control)"]
+        raw = res["raw"]
+        plain = {r["repeat"]: r["seconds"] for r in raw if r["mode"] == "kvflash"}
+        rr = sorted(r["seconds"] / plain[r["repeat"]] for r in raw if r["mode"] == "kvflash+reread")
+        note = next(n for n in res["notes"] if "re-read over the plain" in n)
+        assert f"{(rr[0] + rr[1]) / 2:.2f}x ({rr[0]:.2f}-{rr[1]:.2f}); A/A" in note, (note, rr)
+    elif routine == "prefill":
         rows = data["results"][0]["rows"]
         assert [r["mode"] for r in rows] == ["full", "kvflash", "kvflash (A/A control)"] * 2, rows
         raw = [r for r in data["results"][0]["raw"] if r["context"] == 1024]
@@ -194,6 +207,7 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         res = data["results"][0]
         rows = res["rows"]
         assert any("exact prefill" in n for n in res["notes"]) == ("--exact-prefill" in extra)
+        assert any("prefill re-read" in n for n in res["notes"]) == ("--prefill-reread" in extra)
         from kvflash.bench.ruler import LIST_TASKS
         tasks = (extra[extra.index("--tasks") + 1].split(",") if "--tasks" in extra else
                  ["single", "multikey", "multivalue", "multiquery", "aggregate"])

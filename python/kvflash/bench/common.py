@@ -361,7 +361,7 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         if cfg.prefill_rescore:
             kw["prefill_rescore"] = cfg.prefill_rescore
         if cfg.prefill_reread:
-            kw["prefill_reread"] = True
+            kw.setdefault("prefill_reread", True)   # (a routine comparing with and without passes it)
         if policy == "drafter" and cfg.drafter:
             kw["drafter"] = cfg.drafter
             pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool),

@@ -55,7 +55,10 @@ def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bo
     sessions, na = {}, {}
     for m in modes:
         try:
-            s = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru")
+            # a "+reread" label: the same mode with the settle's re-read (Session(prefill_reread=True)), beside
+            # the plain one in a routine that compares them
+            kw = {"prefill_reread": m[0].endswith("+reread")} if cfg.prefill_reread and m[1] is not None else {}
+            s = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru", **kw)
         except Unavailable as e:
             na[m] = str(e)
             continue

@@ -18,7 +18,11 @@ def run_prefill(cfg: BenchConfig) -> Result:
     max_ctx = max(ctxs)
     pool0 = cfg.pools[0]
     ctl = ("control", None, None) if cfg.control == "full" else ("control", pool0, cfg.policy)
-    modes = _modes(cfg) + [ctl]
+    # --prefill-reread: beside each pool's plain prefill, the same with the settle's re-read of the chosen chunks
+    modes = _modes(cfg)
+    if cfg.prefill_reread:
+        modes += [("kvflash+reread", p, cfg.policy) for p in cfg.pools]
+    modes += [ctl]
     base_of_ctl = modes[0] if ctl[1] is None else ("kvflash", pool0, cfg.policy)
     sessions, na = _open_modes(cfg, modes, max_ctx, dedupe_fallback=False)
     live = [m for m in modes if m in sessions]
@@ -78,7 +82,18 @@ def run_prefill(cfg: BenchConfig) -> Result:
         for m in modes[1:-1]:
             dr = ratios.get(m)
             if dr and cr:
-                res.notes.append(f"{ctx_label(D)} pool {m[1]}: full/kvflash prefill seconds " + _verdict(dr, cr))
+                res.notes.append(f"{ctx_label(D)} pool {m[1]}{' +reread' if m[0].endswith('+reread') else ''}: "
+                                 f"full/kvflash prefill seconds " + _verdict(dr, cr))
+            plain = by.get(("kvflash", m[1], m[2]), {})
+            if m[0].endswith("+reread") and plain:
+                # the re-read's price, paired per repeat: its prefill's seconds over the plain prefill's
+                rr = [x["seconds"] / plain[i]["seconds"] for i, x in by[m].items() if i in plain]
+                ctl_rr = [by[ctl][i]["seconds"] / plain[i]["seconds"] for i in by[ctl] if i in plain] \
+                    if ctl[1] == m[1] else []
+                res.notes.append(f"{ctx_label(D)} pool {m[1]}: prefill with the settle's re-read over the plain "
+                                 f"pooled prefill, per repeat: {statistics.median(rr):.2f}x ({_spread(rr)})" +
+                                 (f"; A/A (control over plain) {statistics.median(ctl_rr):.2f}x ({_spread(ctl_rr)})"
+                                  if ctl_rr else ""))
     res.notes.append("a prompt longer than the pool prefills in 64-token pieces with live eviction; "
                      f"the full cache is allocated at max_ctx {max_ctx} and attends over its occupied extent")
     res.notes.append("modes run interleaved per repeat (order rotated), each from a reset session; per-repeat "

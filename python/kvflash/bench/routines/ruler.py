@@ -201,23 +201,29 @@ def run_ruler(cfg: BenchConfig) -> Result:
                             if r not in sess:
                                 continue
                             s, pols = sess[r]
-                            pb.note(f"{ctx_label(D)} {task} {hay} #{i}: 1/{r} prefill")
-                            s.policy = pols["lru"]
-                            s.reset()
-                            t0 = time.perf_counter()
-                            s.prefill(tr.ids, progress=pb.prefill_note(f"{ctx_label(D)} {task} #{i} 1/{r}: "))
-                            pre = time.perf_counter() - t0
-                            s.save(snap)
+
+                            def own_prefill(name):
+                                # the prefill itself depends on the policy (its rescores), or its settle needs
+                                # what only a prefill keeps (the sliding layers' rows for the re-read)
+                                return (cfg.prefill_rescore and isinstance(pols[name], QKPolicy)) or \
+                                    (cfg.prefill_reread and name != "lru")
+                            pre = None
+                            if not all(own_prefill(name) for name in policies):   # one shared prefill
+                                pb.note(f"{ctx_label(D)} {task} {hay} #{i}: 1/{r} prefill")
+                                s.policy = pols["lru"]
+                                s.reset()
+                                t0 = time.perf_counter()
+                                s.prefill(tr.ids, progress=pb.prefill_note(f"{ctx_label(D)} {task} #{i} 1/{r}: "))
+                                pre = time.perf_counter() - t0
+                                s.save(snap)
                             for name in policies:
                                 s.policy = pols["lru"]
-                                s.restore(snap)
+                                if not own_prefill(name):
+                                    s.restore(snap)
                                 s.policy = pols[name]
                                 r0, t0 = s._rescore_s, time.perf_counter()
-                                if (cfg.prefill_rescore and isinstance(pols[name], QKPolicy)) or \
-                                        (cfg.prefill_reread and name != "lru"):
-                                    # the prefill itself depends on the policy (its rescores), or its settle
-                                    # needs what only a prefill keeps (the sliding layers' rows for the
-                                    # re-read): this one reads the prompt
+                                if own_prefill(name):
+                                    # this one reads the prompt itself
                                     s.reset()
                                     s.prefill(tr.ids)
                                     mode_pre = time.perf_counter() - t0
