@@ -528,6 +528,8 @@ def test_prefill_reread_rewrites_the_chosen_chunks(tiny, arch):
     differ = _differing_chunks(rr.runtime.pager, plain.runtime.pager, PROMPT // C)
     tail = set(range(last, -(-PROMPT // C)))   # the settle's tail re-read: after the re-read, so new rows too
     assert set(differ) - tail == set(chosen), (differ, chosen)
+    assert rr.stats["reread_tokens"] == len(chosen) * C and rr.stats["reread_ms"] > 0
+    assert plain.stats["reread_tokens"] == 0
     # exact prefill's K/V are already exact: nothing to read again
     ep = _session(path, False, policy="qk", exact_prefill=True)
     epr = _session(path, False, policy="qk", exact_prefill=True, prefill_reread=True)

@@ -160,6 +160,10 @@ void bind_session(RuntimeClass &cls) {
         .def_property_readonly("rescores", [](PyRuntime &r) { return r.session->rescores(); })
         .def_property_readonly("since_rescore", [](PyRuntime &r) { return r.session->since_rescore(); })
         .def_property_readonly("rescore_ms", [](PyRuntime &r) { return r.session->rescore_ms(); })
+        .def_property_readonly("reread_tokens", [](PyRuntime &r) { return r.session->reread_tokens(); },
+                               "Tokens the settles' re-reads (prefill_reread) read again in place, in all")
+        .def_property_readonly("reread_ms", [](PyRuntime &r) { return r.session->reread_ms(); },
+                               "The settles' re-reads' time, in all")
         .def_property_readonly("last_scores", [](PyRuntime &r) -> py::object {
             const std::vector<float> &s = r.session->last_scores();
             if (s.empty()) return py::none();

@@ -476,6 +476,7 @@ int64_t Session::reread_resident(int64_t from, int64_t until) {
     const int64_t C = rt_->config().chunk_tokens;
     const int64_t c0 = std::max<int64_t>(std::max<int64_t>(from, 0), pooled) / C, c1 = std::min<int64_t>(until, rt_->n_past()) / C;
     int64_t done = 0;
+    const auto t0 = std::chrono::steady_clock::now();
     for (int64_t c = c0; c < c1;) {
         if (pg.block_of(int32_t(c)) < 0 || pg.n_written(int32_t(c)) != C) { ++c; continue; }
         int64_t e = c + 1;
@@ -484,9 +485,11 @@ int64_t Session::reread_resident(int64_t from, int64_t until) {
         if (rt_->reread_refusal(c * C, len).empty()) {
             rt_->reread(tokens_.data() + c * C, c * C, len);
             done += len;
+            reread_tokens_ += len;
         }
         c = e;
     }
+    reread_ms_ += ms_since(t0);
     return done;
 }
 

@@ -129,6 +129,9 @@ public:
     int64_t rescores() const { return rescores_; }
     int64_t since_rescore() const { return since_rescore_; }
     double rescore_ms() const { return rescore_ms_; }
+    // the settle's re-reads (prefill_reread): tokens read again in place, and their time
+    int64_t reread_tokens() const { return reread_tokens_; }
+    double reread_ms() const { return reread_ms_; }
     const SpecStats &spec() const { return spec_; }
     int32_t n_capture() const { return rt_->config().capture_queries; }
     Sampler &sampler() { return sampler_; }
@@ -244,6 +247,8 @@ private:
     std::vector<float> last_scores_;   // the chunk scores of the last rescore
     int64_t since_rescore_ = 0, rescores_ = 0;
     double rescore_ms_ = 0;
+    int64_t reread_tokens_ = 0;
+    double reread_ms_ = 0;
     ScoreFn score_fn_;
     RewindFn rewind_fn_;
     // exact mode: drafts the last round kept that advance() has not handed out yet

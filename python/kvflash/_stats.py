@@ -65,6 +65,8 @@ def session_stats(s) -> dict:
         "bytes_in": p["bytes_in"],
         "rescores": rt.rescores,
         "rescore_ms": 1e3 * s._rescore_s,
+        "reread_tokens": rt.reread_tokens,
+        "reread_ms": rt.reread_ms,
         "prefill_s": s._prefill_s,
         "decode_tok_s": s._decoded / s._decode_s if s._decode_s > 0 else 0.0,
         "threads": s.threads,

@@ -43,13 +43,18 @@ def run_prefill(cfg: BenchConfig) -> Result:
                     s = sessions[m]
                     s.reset()
                     pb.note(f"{ctx_label(D)} {m[0]}{'' if m[1] is None else m[1]}")
+                    st0 = s.stats
                     t0 = time.perf_counter()
                     s.prefill(toks[:D])
                     dt = time.perf_counter() - t0
                     st = s.stats
                     res.raw.append({**_base(cfg, s), "mode": m[0], "pool": m[1], "context": D, "repeat": r,
                                     "seconds": dt, "kv_resident_bytes": kv_resident_bytes(s),
-                                    "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"]})
+                                    "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"],
+                                    # the settle's share: its rescore, and the re-read of the chosen chunks
+                                    "rescore_s": (st["rescore_ms"] - st0["rescore_ms"]) / 1e3,
+                                    "reread_tokens": st["reread_tokens"] - st0["reread_tokens"],
+                                    "reread_s": (st["reread_ms"] - st0["reread_ms"]) / 1e3})
                     pb.advance(D, note=f"{ctx_label(D)} {m[0]} {dt:.1f}s")
     for D in ctxs:
         full = None
@@ -90,10 +95,14 @@ def run_prefill(cfg: BenchConfig) -> Result:
                 rr = [x["seconds"] / plain[i]["seconds"] for i, x in by[m].items() if i in plain]
                 ctl_rr = [by[ctl][i]["seconds"] / plain[i]["seconds"] for i in by[ctl] if i in plain] \
                     if ctl[1] == m[1] else []
+                xs = list(by[m].values())
                 res.notes.append(f"{ctx_label(D)} pool {m[1]}: prefill with the settle's re-read over the plain "
                                  f"pooled prefill, per repeat: {statistics.median(rr):.2f}x ({_spread(rr)})" +
                                  (f"; A/A (control over plain) {statistics.median(ctl_rr):.2f}x ({_spread(ctl_rr)})"
-                                  if ctl_rr else ""))
+                                  if ctl_rr else "") +
+                                 f"; the re-read itself: {statistics.median(x['reread_tokens'] for x in xs):.0f} "
+                                 f"tokens in {statistics.median(x['reread_s'] for x in xs):.2f} s, the settle's "
+                                 f"rescore {statistics.median(x['rescore_s'] for x in xs):.2f} s (medians)")
     res.notes.append("a prompt longer than the pool prefills in 64-token pieces with live eviction; "
                      f"the full cache is allocated at max_ctx {max_ctx} and attends over its occupied extent")
     res.notes.append("modes run interleaved per repeat (order rotated), each from a reset session; per-repeat "
