@@ -278,7 +278,8 @@ def run_ruler(cfg: BenchConfig) -> Result:
         "over the full cache's on the same trials",
         "one pooled prefill per trial and residency (under LRU: a prefill does not depend on the policy), "
         "restored from a snapshot for each policy, which then rescores and re-reads the prompt's tail as "
-        "Session.prefill does",
+        "Session.prefill does" + (" (the policies that prefill themselves: see below)"
+                                  if cfg.prefill_rescore or cfg.prefill_reread else ""),
         "needed chunks kept: trials whose chunks holding every expected value's needle sentence (its key and "
         "its value) were resident after the prompt's rescore; worst needed rank: per trial the worst rank "
         "(0 = best, p = protected) of such a chunk under the prompt's rescore, against the free slots (kept "
