@@ -454,7 +454,8 @@ void Runtime::eval_piece(const int32_t *tokens, int32_t n, bool all_logits, floa
     if (paged_->pager().alloc_span(pos0, n, slots.data()) == AllocResult::NO_ROOM)
         throw std::runtime_error("eval: the pool has no room for " + std::to_string(n) + " tokens; use a larger pool");
     // a pooled piece once something is on the host only: it attends less than the whole context
-    const bool pooled = !opt.exact && !full_cache_ && paged_->pager().stats().host_chunks > 0;
+    // (asked until the first such piece only: the pager's count walks every chunk, and decode passes here)
+    const bool pooled = pooled_from_ < 0 && !opt.exact && !full_cache_ && paged_->pager().stats().host_chunks > 0;
     // Attention covers the occupied prefix of the pool, in steps of 256 slots; exact attention covers
     // the context's positions in the same steps (what the full cache's identity placement attends).
     const int32_t n_kv = opt.exact ? int32_t((pos0 + n + 255) / 256 * 256)
