@@ -31,8 +31,9 @@ def tiny(tmp_path_factory):
     ("decode", ["--contexts", "600,1024", "--repeats", "2", "--steps", "4", "--policy", "qk",
                 "--control", "kvflash"]),
     ("prefill", ["--contexts", "600,1024", "--repeats", "3", "--control", "kvflash"]),
-    # beside the plain pooled prefill, the same with the settle's re-read of the chosen chunks
-    ("prefill", ["--contexts", "1024", "--repeats", "2", "--control", "kvflash", "--policy", "qk", "--prefill-reread"]),
+    # beside the plain pooled prefill, the same with the settle's re-read of the chosen chunks and with exact prefill
+    ("prefill", ["--contexts", "1024", "--repeats", "2", "--control", "kvflash", "--policy", "qk", "--prefill-reread",
+                 "--exact-prefill"]),
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
     ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
@@ -148,12 +149,18 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
         assert sum("A/A" in n for n in data["results"][0]["notes"]) == 2   # a verdict per context
     if routine == "prefill" and "--prefill-reread" in extra:
         res = data["results"][0]
-        assert [r["mode"] for r in res["rows"]] == ["full", "kvflash", "kvflash+reread", "kvflash (A/A control)"]
+        assert [r["mode"] for r in res["rows"]] == ["full", "kvflash", "kvflash+reread", "kvflash+exact",
+                                                    "kvflash (A/A control)"]
         raw = res["raw"]
+        # only the +exact mode prefills exactly; only the +reread mode re-reads
+        assert {r["mode"] for r in raw if r["exact_prefill"]} == {"kvflash+exact"}, raw
+        assert {r["mode"] for r in raw if r["reread_tokens"]} == {"kvflash+reread"}, raw
         plain = {r["repeat"]: r["seconds"] for r in raw if r["mode"] == "kvflash"}
-        rr = sorted(r["seconds"] / plain[r["repeat"]] for r in raw if r["mode"] == "kvflash+reread")
-        note = next(n for n in res["notes"] if "re-read over the plain" in n)
-        assert f"{(rr[0] + rr[1]) / 2:.2f}x ({rr[0]:.2f}-{rr[1]:.2f}); A/A" in note, (note, rr)
+        for mode, what in (("kvflash+reread", "the settle's re-read"), ("kvflash+exact", "exact prefill")):
+            rr = sorted(r["seconds"] / plain[r["repeat"]] for r in raw if r["mode"] == mode)
+            note = next(n for n in res["notes"] if f"prefill with {what} over the plain" in n)
+            assert f"{(rr[0] + rr[1]) / 2:.2f}x ({rr[0]:.2f}-{rr[1]:.2f}); A/A" in note, (note, rr)
+            assert ("the re-read itself" in note) == (mode == "kvflash+reread"), note
     elif routine == "prefill":
         rows = data["results"][0]["rows"]
         assert [r["mode"] for r in rows] == ["full", "kvflash", "kvflash (A/A control)"] * 2, rows

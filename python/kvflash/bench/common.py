@@ -357,7 +357,7 @@ def open_session(cfg: BenchConfig, *, max_ctx: int, pool: Optional[int], policy:
         if cfg.prefill_piece is not None:
             kw["prefill_piece"] = cfg.prefill_piece
         if cfg.exact_prefill:
-            kw["exact_prefill"] = True
+            kw.setdefault("exact_prefill", True)    # (a routine comparing with and without passes it)
         if cfg.prefill_rescore:
             kw["prefill_rescore"] = cfg.prefill_rescore
         if cfg.prefill_reread:

@@ -55,9 +55,14 @@ def _open_modes(cfg: BenchConfig, modes: list, max_ctx: int, dedupe_fallback: bo
     sessions, na = {}, {}
     for m in modes:
         try:
-            # a "+reread" label: the same mode with the settle's re-read (Session(prefill_reread=True)), beside
-            # the plain one in a routine that compares them
-            kw = {"prefill_reread": m[0].endswith("+reread")} if cfg.prefill_reread and m[1] is not None else {}
+            # a "+reread" / "+exact" label: the same mode with the settle's re-read (Session(prefill_reread=True))
+            # or with exact prefill, beside the plain one in a routine that compares them; a routine without
+            # such labels leaves the flags to the config
+            kw = {}
+            if m[1] is not None:
+                for suffix, key in (("+reread", "prefill_reread"), ("+exact", "exact_prefill")):
+                    if any(x[0].endswith(suffix) for x in modes):
+                        kw[key] = m[0].endswith(suffix)
             s = open_session(cfg, max_ctx=max_ctx, pool=m[1], policy=m[2] or "lru", **kw)
         except Unavailable as e:
             na[m] = str(e)

@@ -18,10 +18,13 @@ def run_prefill(cfg: BenchConfig) -> Result:
     max_ctx = max(ctxs)
     pool0 = cfg.pools[0]
     ctl = ("control", None, None) if cfg.control == "full" else ("control", pool0, cfg.policy)
-    # --prefill-reread: beside each pool's plain prefill, the same with the settle's re-read of the chosen chunks
+    # --prefill-reread / --exact-prefill: beside each pool's plain prefill, the same with the settle's re-read
+    # of the chosen chunks / with exact prefill (every piece attends the pool and the host store)
     modes = _modes(cfg)
     if cfg.prefill_reread:
         modes += [("kvflash+reread", p, cfg.policy) for p in cfg.pools]
+    if cfg.exact_prefill:
+        modes += [("kvflash+exact", p, cfg.policy) for p in cfg.pools]
     modes += [ctl]
     base_of_ctl = modes[0] if ctl[1] is None else ("kvflash", pool0, cfg.policy)
     sessions, na = _open_modes(cfg, modes, max_ctx, dedupe_fallback=False)
@@ -49,7 +52,8 @@ def run_prefill(cfg: BenchConfig) -> Result:
                     dt = time.perf_counter() - t0
                     st = s.stats
                     res.raw.append({**_base(cfg, s), "mode": m[0], "pool": m[1], "context": D, "repeat": r,
-                                    "seconds": dt, "kv_resident_bytes": kv_resident_bytes(s),
+                                    "seconds": dt, "exact_prefill": bool(getattr(s, "exact_prefill", False)),
+                                    "kv_resident_bytes": kv_resident_bytes(s),
                                     "host_bytes": int(st["host_kv_mib"] * MIB), "page_outs": st["page_outs"],
                                     # the settle's share: its rescore, and the re-read of the chosen chunks
                                     "rescore_s": (st["rescore_ms"] - st0["rescore_ms"]) / 1e3,
@@ -87,22 +91,24 @@ def run_prefill(cfg: BenchConfig) -> Result:
         for m in modes[1:-1]:
             dr = ratios.get(m)
             if dr and cr:
-                res.notes.append(f"{ctx_label(D)} pool {m[1]}{' +reread' if m[0].endswith('+reread') else ''}: "
+                res.notes.append(f"{ctx_label(D)} pool {m[1]}{m[0][len('kvflash'):].replace('+', ' +')}: "
                                  f"full/kvflash prefill seconds " + _verdict(dr, cr))
             plain = by.get(("kvflash", m[1], m[2]), {})
-            if m[0].endswith("+reread") and plain:
-                # the re-read's price, paired per repeat: its prefill's seconds over the plain prefill's
+            if m[0] != "kvflash" and plain:
+                # the variant's price, paired per repeat: its prefill's seconds over the plain pooled prefill's
                 rr = [x["seconds"] / plain[i]["seconds"] for i, x in by[m].items() if i in plain]
                 ctl_rr = [by[ctl][i]["seconds"] / plain[i]["seconds"] for i in by[ctl] if i in plain] \
                     if ctl[1] == m[1] else []
                 xs = list(by[m].values())
-                res.notes.append(f"{ctx_label(D)} pool {m[1]}: prefill with the settle's re-read over the plain "
+                what = "the settle's re-read" if m[0].endswith("+reread") else "exact prefill"
+                res.notes.append(f"{ctx_label(D)} pool {m[1]}: prefill with {what} over the plain "
                                  f"pooled prefill, per repeat: {statistics.median(rr):.2f}x ({_spread(rr)})" +
                                  (f"; A/A (control over plain) {statistics.median(ctl_rr):.2f}x ({_spread(ctl_rr)})"
                                   if ctl_rr else "") +
-                                 f"; the re-read itself: {statistics.median(x['reread_tokens'] for x in xs):.0f} "
-                                 f"tokens in {statistics.median(x['reread_s'] for x in xs):.2f} s, the settle's "
-                                 f"rescore {statistics.median(x['rescore_s'] for x in xs):.2f} s (medians)")
+                                 (f"; the re-read itself: {statistics.median(x['reread_tokens'] for x in xs):.0f} "
+                                  f"tokens in {statistics.median(x['reread_s'] for x in xs):.2f} s, the settle's "
+                                  f"rescore {statistics.median(x['rescore_s'] for x in xs):.2f} s (medians)"
+                                  if m[0].endswith("+reread") else ""))
     res.notes.append("a prompt longer than the pool prefills in 64-token pieces with live eviction; "
                      f"the full cache is allocated at max_ctx {max_ctx} and attends over its occupied extent")
     res.notes.append("modes run interleaved per repeat (order rotated), each from a reset session; per-repeat "
