@@ -97,7 +97,8 @@ _MODELS: dict = {}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """tiny(arch) -> GGUF path of a 2-layer model (gemma3: 6 layers, 5 sliding, window 16; gemma3-12: 12
-    layers, two global ones (5, 11), so the second's K/V depend on the first's attention)."""
+    layers, two global ones (5, 11), so the second's K/V depend on the first's attention; gemma3-8: 8 layers,
+    the last two sliding)."""
 
     def get(arch, weights="f32"):
         key = (arch, weights)
@@ -106,7 +107,7 @@ def tiny(tmp_path_factory):
             if weights.endswith("_K"):   # K-quants: rows of 256
                 kw.update(n_embd=256, n_head=8, n_ff=512)
             if arch.startswith("gemma3"):
-                kw.update(n_layer=12 if arch == "gemma3-12" else 6, gemma_sliding_window=16)
+                kw.update(n_layer=int(arch.split("-")[1]) if "-" in arch else 6, gemma_sliding_window=16)
             path = tmp_path_factory.mktemp("exact") / f"{arch}-{weights}.gguf"
             write_tiny_model(path, arch.split("-")[0], **kw)
             _MODELS[key] = str(path)
@@ -139,6 +140,32 @@ def test_exact_eval_is_the_full_cache(tiny, arch):
     # a batch on top (a verification pass's shape) against the full cache's batch
     more = _ids(9, seed=3)
     assert np.array_equal(paged.eval(more, all_logits=True, exact=True), full.eval(more, all_logits=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-8"])
+@pytest.mark.parametrize("attn", ["pool", "ggml"])
+@pytest.mark.parametrize("pool", [0, POOL])
+def test_a_prompt_reads_only_its_last_querys_attention(tiny, arch, attn, pool):
+    """A prompt whose last logits alone are read has only its last query attend in the model's last layer
+    (the other rows' outputs reach nothing): those logits are the all-logits batch's last row -- bit for bit
+    with the pool kernel, whose query does not depend on its batch; within rounding with ggml's, whose batch
+    kernel is tiled -- and every row's K/V are written as before, so the next tokens' logits are the same
+    bit for bit, in the full cache and over a pool that pages (gemma3-8: the last layer is a sliding one)."""
+    m = core.Model(tiny(arch), n_threads=2)
+    kw = dict(max_ctx=2048, pool_tokens=pool, chunk_tokens=C, ubatch=UBATCH, attn=attn)
+    a, b = core.Runtime(m, **kw), core.Runtime(m, **kw)
+    ids = _ids(PROMPT if pool else 300, seed=21)
+    last, every = a.eval(ids), b.eval(ids, all_logits=True)
+    assert every.shape == (len(ids), last.shape[-1])
+    if attn == "pool":
+        assert np.array_equal(last, every[-1])
+    else:
+        assert np.abs(last - every[-1]).max() <= 1e-4 * max(1.0, np.abs(every[-1]).max())
+    if pool:
+        assert a.pager.stats["host_chunks"] > 40
+    for t in _ids(3, seed=22):
+        one = np.asarray([t], np.int32)
+        assert np.array_equal(a.eval(one), b.eval(one))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -92,27 +92,39 @@ ggml_tensor *Forward::attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml
         stored_k[size_t(il)] = ks;
         stored_v[size_t(il)] = vs;
     }
+    // The last layer of a graph whose logits are the last token's: its attention output reaches
+    // nothing but that token's logits (no later layer reads the other rows' hidden states), so only
+    // the last query attends, over the same rows with its own mask row.  The rows it writes above
+    // are every token's, as before.  (A query's result does not depend on the batch around it.)
+    const bool last_only = last_row_only && n > 1 && il == hp->n_layer - 1;
+    const int64_t nq = last_only ? 1 : n;
+    ggml_tensor *mask = c.mask;
+    if (last_only) {
+        q = ggml_view_3d(ctx, q, D, H, 1, q->nb[1], q->nb[2], size_t(n - 1) * q->nb[2]);
+        if (mask) mask = ggml_view_2d(ctx, mask, mask->ne[0], 1, mask->nb[1], size_t(n - 1) * mask->nb[1]);
+    }
     ggml_tensor *att;
     if (pool_attn && c.params->rows) {
         // Exact mode: the rows come through the layer's row table (pool and host store); the
         // stored tensors are operands for the order after their writes.
         c.params->scale = kq_scale;
-        att = pool_attention_cpu(ctx, q, ks, vs, c.mask, c.params, sinks);
+        att = pool_attention_cpu(ctx, q, ks, vs, mask, c.params, sinks);
     } else if (pool_attn) {
         ggml_tensor *k2 = ggml_view_2d(ctx, ks, ks->ne[0], c.n_kv, ks->nb[1], 0);
         ggml_tensor *v2 = ggml_view_2d(ctx, vs, vs->ne[0], c.n_kv, vs->nb[1], 0);
         c.params->scale = kq_scale;
-        att = pool_attention_cpu(ctx, q, k2, v2, c.mask, c.params, sinks);  // [D, H, n]
+        att = pool_attention_cpu(ctx, q, k2, v2, mask, c.params, sinks);  // [D, H, nq]
     } else {
         // k: [D, n_kv, Hkv] viewed from the stored rows [n_embd_k, n_kv].
         ggml_tensor *kv_k = ggml_view_3d(ctx, ks, D, c.n_kv, Hkv, ks->nb[1], ggml_row_size(ks->type, D), 0);
         ggml_tensor *kv_v = ggml_view_3d(ctx, vs, D, c.n_kv, Hkv, vs->nb[1], ggml_row_size(vs->type, D), 0);
         ggml_tensor *qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [D, n, H]
-        att = ggml_flash_attn_ext(ctx, qp, kv_k, kv_v, c.mask, kq_scale, 0.f, 0.f);
+        att = ggml_flash_attn_ext(ctx, qp, kv_k, kv_v, mask, kq_scale, 0.f, 0.f);
         if (sinks) ggml_flash_attn_ext_add_sinks(att, sinks);
         ggml_prec_set_acc(att, GGML_PREC_F32);
     }
-    return ggml_reshape_2d(ctx, att, int64_t(D) * H, n);
+    att = ggml_reshape_2d(ctx, att, int64_t(D) * H, nq);
+    return last_only ? ggml_repeat_4d(ctx, att, int64_t(D) * H, n, 1, 1) : att;
 }
 
 ggml_tensor *Forward::mm(ggml_tensor *w, ggml_tensor *x) const {

@@ -91,6 +91,9 @@ struct Forward {
     // Every token's matrix products as a one-token graph computes them (one_row_cpu.h): the weights
     // of layer(il, 1), each column with ggml's one-row arithmetic.  Exact mode's verification pass.
     bool one_row = false;
+    // Only the last token's logits are read (a prompt piece): the last layer's attention output feeds
+    // nothing else, so there only the last query attends (Forward::attention).
+    bool last_row_only = false;
 
     // The weights layer il multiplies by in this graph.
     const LayerWeights &weights(int32_t il) const { return model->layer(il, one_row ? 1 : n); }
@@ -104,7 +107,9 @@ struct Forward {
     // sliding or global; its frequency factors where the layer has rope_freqs), the query capture, q *= q_scale
     // (skipped when 1), K/V stored at the slots, attention with softmax scale kq_scale over the
     // layer's visible rows.  A layer that reads another's KV (Hparams::kv_source) passes k = v = nullptr: it
-    // stores nothing and attends over its source's rows with its source's mask.  Returns [D*H, n].
+    // stores nothing and attends over its source's rows with its source's mask.  Returns [D*H, n].  In the
+    // model's last layer with last_row_only, every row's K/V are stored but only the last query attends;
+    // its output is repeated over the n rows (the other rows' results are never read).
     ggml_tensor *attention(int32_t il, ggml_tensor *q, ggml_tensor *k, ggml_tensor *v, float q_scale, float kq_scale);
     // The feed-forward block of layer il on x [n_embd, n] (normed): SwiGLU, or the routed mixture
     // when the model has experts (moe), plus the shared expert where the layer has one.
