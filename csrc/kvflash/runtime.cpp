@@ -229,8 +229,10 @@ void Runtime::build(Graph &g, int32_t n, int32_t n_kv_pool, bool all_logits, con
     f.pool_attn = g.exact || use_pool_attn(n);   // exact: the CPU kernel (eval checked the backend)
     f.n_capture = g.n_capture;
     f.one_row = g.one_row;
-    // (the CPU backend, where it is measured and tested; GPU backends and RPC splits keep every query)
-    f.last_row_only = !all_logits && n > 1 && ggml_backend_is_cpu(backend_) && !remote();
+    // (kvflash's CPU kernel, whose query does not depend on its batch; ggml's batch kernel is tiled and
+    // rounds otherwise than its one-query path, and GPU backends and RPC splits are not measured: they
+    // keep every query)
+    f.last_row_only = !all_logits && n > 1 && f.pool_attn && ggml_backend_is_cpu(backend_) && !remote();
     if (g.exact) {
         const size_t np = size_t(paged_->pool().n_layers());
         g.tables.assign(np, RowTable{});
