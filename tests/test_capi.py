@@ -409,7 +409,7 @@ def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
 
 
 class Params(ctypes.Structure):
-    """struct kvflash_params as kvflash.h declares it (API version 11)."""
+    """struct kvflash_params as kvflash.h declares it (API version 11; 12 added a value, not a field)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
                 ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
@@ -492,6 +492,8 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("QKCA", refused(policy=b"qk", pool_tokens=512, qk_carry=-1))
         print("PRE", refused(policy=b"qk", pool_tokens=512, prefill_rescore=-1))
         print("RRD", refused(policy=b"qk", pool_tokens=512, prefill_reread=2))
+        print("EPF", refused(policy=b"qk", pool_tokens=512, exact_prefill=3))
+        print("EPA_OK", refused(policy=b"qk", pool_tokens=512, exact_prefill=2) is None)  # auto (API version 12)
         v10 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_reread.offset)  # API version 10
         print("V10_OK", v10 is None, lib.kvflash_default_params().prefill_reread)
         v9 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_rescore.offset)  # API version 9
@@ -513,9 +515,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out
-    assert "V10_OK True 0" in out
+    assert "V10_OK True 0" in out and "EPA_OK True" in out
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry"),
-                       ("PRE", "prefill_rescore"), ("RRD", "prefill_reread")):
+                       ("PRE", "prefill_rescore"), ("RRD", "prefill_reread"), ("EPF", "exact_prefill")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
 

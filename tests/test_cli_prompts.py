@@ -168,3 +168,22 @@ def test_prefill_rescore_from_the_command_line(small, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "prefill_rescore must be an integer >= 0" in err and err.startswith("kvflash: ") and "\n" not in err, err
     assert cli.main([*common, "--kvflash-prefill-rescore", "1"]) == 0
+
+
+def test_exact_prefill_flag_defaults_to_auto():
+    """--kvflash-exact-prefill: 'auto' when absent (Session's 'auto': on where the model's paged layers are few),
+    'on' as a bare flag, 'on' / 'off' / 'auto' spelled out; anything else is refused by the parser."""
+    import argparse
+
+    from kvflash._args import exact_prefill_arg
+
+    p = argparse.ArgumentParser()
+    cli._session_args(p)
+    assert exact_prefill_arg(p.parse_args([]).kvflash_exact_prefill) == "auto"
+    assert exact_prefill_arg(p.parse_args(["--kvflash-exact-prefill"]).kvflash_exact_prefill) is True
+    for v, want in (("on", True), ("off", False), ("auto", "auto")):
+        assert exact_prefill_arg(p.parse_args(["--kvflash-exact-prefill", v]).kvflash_exact_prefill) == want
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kvflash-exact-prefill", "maybe"])
+    with pytest.raises(SystemExit, match="must be 'on', 'off' or 'auto'"):
+        exact_prefill_arg("maybe")

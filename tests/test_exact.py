@@ -443,8 +443,11 @@ def test_exact_prefill_gives_every_chunk_the_full_caches_rows(tiny, arch):
 
 def test_exact_prefill_arguments_and_snapshot(tiny, tmp_path):
     path = tiny("llama")
-    with pytest.raises(ValueError, match="exact_prefill must be True or False"):
+    with pytest.raises(ValueError, match="exact_prefill must be True, False or 'auto'"):
         _session(path, False, exact_prefill=1)
+    for bad in (-1, 1.5, "16K"):
+        with pytest.raises(ValueError, match="exact_prefill_until must be None or an integer"):
+            _session(path, False, exact_prefill=True, exact_prefill_until=bad)
     s = _session(path, False, policy="qk", exact_prefill=True)
     s.prefill(_ids(300, seed=8).tolist())
     f = tmp_path / "s.kvfs"
@@ -452,6 +455,47 @@ def test_exact_prefill_arguments_and_snapshot(tiny, tmp_path):
     t = kvflash.Session.load(str(f), path, verbose=False)
     assert t.exact_prefill and np.array_equal(t.logits(), s.logits())
     assert _session(path, None, exact_prefill=True).exact_prefill is False   # the full cache: nothing to do
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3-12"])
+def test_exact_prefill_until_caps_the_exact_read(tiny, arch):
+    """exact_prefill_until=N: the prompt's pieces before position N are read exactly (those chunks hold the
+    full cache's rows, bit for bit), the pieces from N over the pool (later chunks differ: their paged
+    layers after the first attended part of the context), and the prompt is settled as a pooled one."""
+    path = tiny(arch)
+    prompt = _ids(PROMPT, seed=31).tolist()
+    N = 4 * UBATCH   # where the full cache's prefill cuts a piece too: the exact pieces are its pieces
+    full = _session(path, None)
+    cap = _session(path, False, policy="qk", exact_prefill=True, exact_prefill_until=N)
+    whole = _session(path, False, policy="qk", exact_prefill=True)
+    for s in (full, cap, whole):
+        s.prefill(prompt)
+    assert cap.exact_prefill and cap.exact_prefill_until == N and f"up to position {N}" in cap.banner
+    assert whole.exact_prefill_until == 0
+    bad = _differing_chunks(cap.runtime.pager, full.runtime.pager, PROMPT // C)
+    assert bad and min(bad) >= N // C, bad
+    assert not _differing_chunks(whole.runtime.pager, full.runtime.pager, PROMPT // C)
+    assert not np.array_equal(cap.logits(), full.logits())
+    _same_logits(whole.logits(), full.logits())
+    # exact mode reads everything exactly whatever the cap
+    assert _session(path, True, exact_prefill_until=N).exact_prefill_until == 0
+
+
+def test_exact_prefill_auto_follows_the_models_paged_layers(tiny, tmp_path):
+    """'auto' turns exact prefill on, capped at the core's position, where the model's paged layers are at
+    most a quarter of its layers (gemma3-12: 2 of 12), and leaves it off where every layer is paged (llama);
+    a snapshot keeps the cap; an explicit cap wins."""
+    g = _session(tiny("gemma3-12"), False, policy="qk", exact_prefill="auto")
+    assert g.model.auto_exact_prefill_until == 16384
+    assert g.exact_prefill and g.exact_prefill_until == 16384 and "up to position 16384" in g.banner
+    llama = _session(tiny("llama"), False, policy="qk", exact_prefill="auto")
+    assert llama.model.auto_exact_prefill_until == 0 and not llama.exact_prefill and llama.exact_prefill_until == 0
+    assert _session(tiny("gemma3-12"), False, exact_prefill="auto", exact_prefill_until=256).exact_prefill_until == 256
+    g.prefill(_ids(300, seed=8).tolist())
+    f = tmp_path / "g.kvfs"
+    g.save(str(f))
+    back = kvflash.Session.load(str(f), tiny("gemma3-12"), verbose=False)
+    assert back.exact_prefill and back.exact_prefill_until == 16384 and np.array_equal(back.logits(), g.logits())
 
 
 # --------------------------------------------------------------------------- 6. a past span read again in place

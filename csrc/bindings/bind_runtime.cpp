@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "bindings.h"
+#include "kvflash/session.h"
 #include "kvflash/speculative.h"
 
 namespace kvflash::bindings {
@@ -67,6 +68,9 @@ model and as an RPC server holds its layers: weight_placement says what each par
             m.set_n_threads(n);
         })
         .def_property_readonly("global_layers", &Model::global_layers)
+        .def_property_readonly("auto_exact_prefill_until", &auto_exact_prefill_until,
+                               "Where exact_prefill='auto' stops reading prompts exactly on this model (0: it stays off): "
+                               "kvflash::auto_exact_prefill_until")
         .def("recurrent_bytes", [](const Model &m, int32_t snapshots, int32_t checkpoints) {
             const Hparams &h = m.hparams();
             int32_t layers = 0;

@@ -85,7 +85,7 @@ void bind_session(RuntimeClass &cls) {
     cls.def("configure", [](PyRuntime &r, const std::string &scorer, py::dict qk, int32_t tau, int32_t reeval_tokens,
                             bool exact, int32_t exact_draft, bool exact_prefill, bool reread_capture,
                             std::shared_ptr<DrafterScorer> drafter, py::object allow_long_ctx, py::object seed_given,
-                            int32_t prefill_rescore, bool prefill_reread) {
+                            int32_t prefill_rescore, bool prefill_reread, int64_t exact_prefill_until) {
                  InUse use(&r.busy);
                  SessionConfig c = r.session->config();
                  if (scorer == "none") c.scorer = Scorer::None;
@@ -103,6 +103,7 @@ void bind_session(RuntimeClass &cls) {
                  c.exact = exact;
                  c.exact_draft = exact_draft;
                  c.exact_prefill = exact_prefill;
+                 c.exact_prefill_until = exact_prefill_until;
                  c.reread_capture = reread_capture;
                  if (!allow_long_ctx.is_none()) c.allow_long_ctx = allow_long_ctx.cast<bool>();
                  if (!seed_given.is_none()) c.seed_given = seed_given.cast<bool>();
@@ -111,11 +112,11 @@ void bind_session(RuntimeClass &cls) {
              py::arg("reeval_tokens") = 64, py::arg("exact") = false, py::arg("exact_draft") = -1,
              py::arg("exact_prefill") = false, py::arg("reread_capture") = false, py::arg("drafter") = nullptr,
              py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(), py::arg("prefill_rescore") = 0,
-             py::arg("prefill_reread") = false,
+             py::arg("prefill_reread") = false, py::arg("exact_prefill_until") = 0,
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
              "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
              "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "
-             "rescore schedule and exact mode; prefill_reread: a prompt's settle reads the resident chunks its pooled "
+             "rescore schedule and exact mode (exact_prefill_until: where exact prefill stops, 0: no cap); prefill_reread: a prompt's settle reads the resident chunks its pooled "
              "pieces wrote again in place with exact attention (Session::reread_resident); reread_capture: "
              "continue_to refills the capture window after a cut whatever the scorer (a scoring runtime); allow_long_ctx, "
              "seed_given (None: as they were): what a snapshot records of the caller's choices.")

@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 11
+#define KVFLASH_API_VERSION 12
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -94,7 +94,10 @@ struct kvflash_params {
                                    before it, so a value's chunk ranks behind its key's (16; 0: off) */
     /* -- since API version 8 -- */
     int32_t exact;              /* 1: exact mode, the full cache's tokens from the paged session (0) */
-    int32_t exact_prefill;      /* 1: prompts attend the whole context, decode reads the pool (0) */
+    int32_t exact_prefill;      /* 1: prompts attend the whole context, decode reads the pool (0: off, the
+                                   default); 2 (since API version 12): auto, on where the model's paged layers
+                                   are at most a quarter of its layers (CPU backend) up to position 16384,
+                                   pieces past it read over the pool */
     int32_t exact_draft;        /* exact mode: drafts per round, 0 .. 16 (-1: adaptive, the default) */
     /* -- since API version 9 -- */
     const char *qk_aggregate;   /* "qk": token scores to chunk scores: "peak" (default: qk_contrast, qk_spread,

@@ -336,13 +336,20 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.prefill_reread must be 0 or 1, got " + std::to_string(p.prefill_reread));
         sc.prefill_reread = p.prefill_reread != 0;
         sc.seed = p.seed;
-        if ((p.exact != 0 && p.exact != 1) || (p.exact_prefill != 0 && p.exact_prefill != 1))
-            throw std::invalid_argument("params.exact and params.exact_prefill must be 0 or 1");
+        if (p.exact != 0 && p.exact != 1) throw std::invalid_argument("params.exact must be 0 or 1");
+        if (p.exact_prefill < 0 || p.exact_prefill > 2)
+            throw std::invalid_argument("params.exact_prefill must be 0 (off), 1 (on) or 2 (auto: on where the model's "
+                                        "paged layers are few, up to the position the core gives), got " +
+                                        std::to_string(p.exact_prefill));
         if (p.exact_draft < -1 || p.exact_draft > kvflash::kMaxDraft)
             throw std::invalid_argument("params.exact_draft must be -1 (adaptive) or in [0, " +
                                         std::to_string(kvflash::kMaxDraft) + "], got " + std::to_string(p.exact_draft));
         sc.exact = p.exact != 0;
-        sc.exact_prefill = p.exact_prefill != 0;
+        sc.exact_prefill = p.exact_prefill == 1;
+        if (p.exact_prefill == 2 && !sc.exact) {
+            sc.exact_prefill_until = kvflash::auto_exact_prefill_until(*model->m);
+            sc.exact_prefill = sc.exact_prefill_until > 0;
+        }
         sc.exact_draft = p.exact_draft;
         sc.allow_long_ctx = c.max_ctx > model->m->hparams().n_ctx_train;   // the C API has always allowed it
         return new_session(model, sc).release();

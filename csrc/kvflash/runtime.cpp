@@ -410,12 +410,15 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
     while (done < n) {
         // Batched while the prompt fits the pool; chunk-sized pieces once eviction starts.
         int32_t m = std::min(n - done, cfg_.ubatch);
-        if (opt.exact) {
+        EvalOptions po = opt;
+        po.exact = opt.exact && (opt.exact_until <= 0 || n_past_ < opt.exact_until);
+        if (po.exact) {
             // As the full cache cuts a prompt (ubatch), unless the pool's evictable room is smaller.
             if (n_past_ + m > P) {
                 const int32_t room = P - (cfg_.sink_chunks + cfg_.tail_window_chunks + 1) * C;
                 m = std::min<int32_t>(m, std::max<int32_t>(1, room - int32_t(n_past_ % C)));
             }
+            if (opt.exact_until > 0) m = int32_t(std::min<int64_t>(m, opt.exact_until - n_past_));
         } else if (n_past_ + m > P) {
             const int32_t piece = std::min(cfg_.prefill_piece > 0 ? cfg_.prefill_piece : C, cfg_.ubatch);
             m = std::min<int32_t>(n - done, std::max<int32_t>(1, piece - int32_t(n_past_ % C)));
@@ -431,7 +434,7 @@ void Runtime::eval(const int32_t *tokens, int32_t n, bool all_logits, float *log
         const bool last = done + m == n;
         float *out = logits_out;
         if (all_logits) out = logits_out + size_t(done) * hp.n_vocab;
-        eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr, opt);
+        eval_piece(tokens + done, m, all_logits, (all_logits || last) ? out : nullptr, po);
         done += m;
         if (opt.progress) opt.progress(done, n);
         if (!last && interrupt_ && interrupt_()) throw EvalInterrupted();

@@ -74,6 +74,9 @@ struct EvalOptions {
     // rows, ranges and order; the CPU backend only).  Pieces are cut as the full cache cuts them
     // (ubatch) where the pool's evictable room holds them.  Exact mode's prefill and verification.
     bool exact = false;
+    // With exact: pieces that start at or past this position are pooled ones (cut and attended as
+    // without exact); a piece that would cross it ends there (0: no limit).
+    int64_t exact_until = 0;
     // Keep the queries of every token of the call beside the capture window (a verification pass
     // whose tail may be truncated away); trim_captured() brings the window back to capture_queries.
     bool capture_all = false;

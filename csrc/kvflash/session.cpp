@@ -26,8 +26,17 @@ void SessionConfig::validate() const {
     if (exact_draft < -1 || exact_draft > kMaxDraft)
         throw std::invalid_argument("exact_draft must be -1 (adaptive) or in [0, " + std::to_string(kMaxDraft) +
                                     "], got " + std::to_string(exact_draft));
+    if (exact_prefill_until < 0)
+        throw std::invalid_argument("exact_prefill_until must be >= 0 (the position where exact prefill stops; 0: "
+                                    "none), got " + std::to_string(exact_prefill_until));
     if (scorer == Scorer::Qk) qk.validate();
     if (scorer == Scorer::Drafter && !drafter) throw std::invalid_argument("the drafter scorer needs a drafter");
+}
+
+int64_t auto_exact_prefill_until(const Model &model) {
+    if (model.device().name().rfind("cpu", 0) != 0 || !model.remote_layers().empty()) return 0;
+    const size_t paged = model.global_layers().size();
+    return paged > 0 && paged * 4 <= size_t(model.hparams().n_layer) ? 16384 : 0;
 }
 
 // ------------------------------------------------------------------ SpecStats
@@ -223,6 +232,7 @@ int32_t Session::prefill_(const int32_t *ids, int32_t n, const ProgressFn &progr
     std::vector<float> l(size_t(model_->hparams().n_vocab));
     EvalOptions opt;
     opt.exact = exact_prefill();
+    opt.exact_until = exact_prefill_until();
     opt.progress = progress;
     if (cfg_.prefill_rescore > 0 && cfg_.scorer == Scorer::Qk && scored() && !opt.exact) {
         // Between pieces, once the prompt has outgrown the pool: the piece just read scores the chunks
@@ -263,10 +273,11 @@ void Session::settle_prompt(int32_t n) {
     // cache's: a re-read over the pool would only make them approximate.
     since_rescore_ = 0;
     const int32_t moved = rescore();
-    if (exact_prefill()) return;
+    // (a prompt that ran past exact prefill's cap was read over the pool from there: settled as pooled)
+    if (exact_prefill() && (exact_prefill_until() <= 0 || rt_->n_past() <= exact_prefill_until())) return;
     const int32_t k = std::max(1, std::min(n, cfg_.reeval_tokens));
     int64_t reread = 0;
-    if (cfg_.prefill_reread) reread = reread_resident(rt_->n_past() - n, rt_->n_past() - k);
+    if (cfg_.prefill_reread && !exact_prefill()) reread = reread_resident(rt_->n_past() - n, rt_->n_past() - k);
     if (moved > 0 || reread > 0) {
         // a recurrent state rewinds to its nearest checkpoint: the tokens from there are read again
         const int64_t end = rt_->n_past(), p = rt_->recurrent() ? rt_->rewind_point(end - k) : end - k;

@@ -39,6 +39,7 @@ using Check = std::function<bool(const Value &)>;
 struct Field {
     const char *name;
     Check ok;
+    bool optional = false;   // a field later versions added: a file from before may lack it
 };
 
 Check int_in(int64_t lo, int64_t hi) {
@@ -69,6 +70,7 @@ const std::vector<Field> &config_fields() {
         {"reeval_tokens", int_in(1, kI32)},
         {"seed", [](const Value &v) { return v.is_null() || v.uint_value(nullptr); }},
         {"allow_long_ctx", kBool}, {"exact", kBool}, {"exact_draft", opt_in(0, kMaxDraft)}, {"exact_prefill", kBool},
+        {"exact_prefill_until", int_in(0, kMaxContext), true},
     };
     return f;
 }
@@ -115,12 +117,13 @@ struct Checker {
         for (const auto &m : d.members())
             if (!want.count(m.first)) extra.push_back(m.first);
         for (const auto &f : spec)
-            if (!d.find(f.name)) missing.push_back(f.name);
+            if (!d.find(f.name) && !f.optional) missing.push_back(f.name);
         std::sort(extra.begin(), extra.end());
         std::sort(missing.begin(), missing.end());
         if (!extra.empty()) bad(what + " has unknown field(s) " + quoted_list(extra));
         if (!missing.empty()) bad(what + " has no field(s) " + quoted_list(missing));
         for (const auto &f : spec) {
+            if (!d.find(f.name)) continue;   // an optional field the file does not have
             const Value &v = *d.find(f.name);
             if (!f.ok(v)) bad(what + "." + f.name + " = " + v.repr() + " is out of range or of the wrong type");
         }
@@ -181,6 +184,7 @@ std::string session_app_json(const Session &s) {
     cfg.set("exact", Value::boolean(c.exact));
     cfg.set("exact_draft", opt_int(c.exact_draft, c.exact_draft >= 0));
     cfg.set("exact_prefill", Value::boolean(c.exact_prefill));
+    cfg.set("exact_prefill_until", Value::integer(c.exact_prefill_until));
 
     Value pol = Value::object();
     if (!s.policy_spec().empty()) {   // the client's policy, as it saves itself (a scorer-less one included)
@@ -387,6 +391,7 @@ SessionApp parse_session_app(const std::string &bytes, const SnapshotHeader &hea
     c.allow_long_ctx = cfg.find("allow_long_ctx")->as_bool();
     c.exact = cfg.find("exact")->as_bool();
     c.exact_prefill = cfg.find("exact_prefill")->as_bool();
+    c.exact_prefill_until = cfg.find("exact_prefill_until") ? cfg_int("exact_prefill_until") : 0;
     c.exact_draft = cfg.find("exact_draft")->is_null() ? -1 : int32_t(cfg_int("exact_draft"));
     return out;
 }

@@ -2,10 +2,12 @@
 // written and checked here for every client (Python's Session, the C API), so a file saved by
 // one loads in the other.
 //
-// Layout 2 (the "kvflash_session" field), every field required and no other allowed:
+// Layout 2 (the "kvflash_session" field), every field required (but exact_prefill_until, which files
+// written before it lack: 0 then) and no other allowed:
 //   config  the session's settings: max_ctx, kvflash (pool tokens, null: full cache), tau, kv_type,
 //           chunk_tokens, sink_chunks, tail_window_chunks, ubatch, reeval_tokens, seed (null: none
-//           given), allow_long_ctx, exact, exact_draft (null: adaptive), exact_prefill
+//           given), allow_long_ctx, exact, exact_draft (null: adaptive), exact_prefill,
+//           exact_prefill_until (0: no cap)
 //   policy  {"name": "lru"} | {"name": "qk" | "qk-bound" | "qk-mean", "qk": {mode, n_queries,
 //           smooth_width, aggregate, contrast, spread, layers, carry}} | {"name": "drafter",
 //           "drafter": {n_queries, smooth_width, kv_type, layers, pool, aggregate, contrast, spread}}

@@ -11,3 +11,12 @@ def pool_arg(value: str):
         return int(value)
     except ValueError:
         raise SystemExit(f"kvflash: --kvflash must be an integer, 'auto' or 'off', got {value!r}") from None
+
+
+def exact_prefill_arg(value):
+    """--kvflash-exact-prefill: 'on' (or the flag alone), 'off', 'auto' -> Session's True, False, 'auto'."""
+    if isinstance(value, bool):
+        return value
+    if value in ("on", "off", "auto"):
+        return {"on": True, "off": False}.get(value, "auto")
+    raise SystemExit(f"kvflash: --kvflash-exact-prefill must be 'on', 'off' or 'auto', got {value!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import _core
 
 MAX_DRAFT = _core.MAX_DRAFT   # drafts per exact-mode round, at most (the core's kMaxDraft)
+MAX_CONTEXT = _core.MAX_CONTEXT   # positions a session holds, at most (the core's kMaxContext)
 KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
@@ -31,7 +32,7 @@ def is_bool(v) -> bool:
 
 
 def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill, exact_draft, tau, kvflash,
-                       reeval_tokens, prefill_rescore=0, prefill_reread=False) -> None:
+                       reeval_tokens, prefill_rescore=0, prefill_reread=False, exact_prefill_until=None) -> None:
     """Session's arguments that need no model to check."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be 'f16', 'q8_0' or 'q4_0', got {kv_type!r}")
@@ -41,8 +42,12 @@ def check_session_args(*, kv_type, threads, max_host_bytes, exact, exact_prefill
         raise ValueError(f"max_host_bytes must be a positive integer (bytes) or None (no cap), got {max_host_bytes!r}")
     if not isinstance(exact, bool):
         raise ValueError(f"exact must be True or False, got {exact!r}")
-    if not isinstance(exact_prefill, bool):
-        raise ValueError(f"exact_prefill must be True or False, got {exact_prefill!r}")
+    if not isinstance(exact_prefill, bool) and exact_prefill != "auto":
+        raise ValueError(f"exact_prefill must be True, False or 'auto' (on where the model's paged layers are few, "
+                         f"up to Model.auto_exact_prefill_until), got {exact_prefill!r}")
+    if exact_prefill_until is not None and not is_int(exact_prefill_until, 0, MAX_CONTEXT):
+        raise ValueError(f"exact_prefill_until must be None or an integer in [0, {MAX_CONTEXT}] (the position where "
+                         f"exact prefill stops; 0: no cap), got {exact_prefill_until!r}")
     if exact_draft is not None and not is_int(exact_draft, 0, MAX_DRAFT):
         raise ValueError(f"exact_draft must be None (adaptive) or an integer in [0, {MAX_DRAFT}] (drafts per "
                          f"round), got {exact_draft!r}")
@@ -85,7 +90,7 @@ def check_exact_device(device: str, exact: bool, exact_prefill: bool, prefill_re
     if exact and not str(device).startswith("cpu"):
         raise ValueError(f"exact=True verifies on the CPU backend (its attention reads the host store in place); "
                          f"the model is on {device}: use device='cpu'")
-    if exact_prefill and not str(device).startswith("cpu"):
+    if exact_prefill is True and not str(device).startswith("cpu"):
         raise ValueError(f"exact_prefill=True reads the host store in place on the CPU backend; the model is on "
                          f"{device}: use device='cpu'")
     if prefill_reread and not str(device).startswith("cpu"):

@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
+from ._args import exact_prefill_arg
 from ._args import pool_arg as _pool_arg
 
 
@@ -17,9 +18,10 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
     p.add_argument("--kvflash-tau", type=int, default=64, help="decoded tokens between rescores (minimum)")
     p.add_argument("--kvflash-exact", action="store_true", help="exact mode: draft over the pool, verify each "
                    "round over the whole context (pool and host store), so the output is the full cache's (CPU)")
-    p.add_argument("--kvflash-exact-prefill", action="store_true", help="prompts attend the whole context (pool "
-                   "and host store) as the full cache's prefill does, so every chunk's K/V are exact; decode reads "
-                   "the pool (CPU)")
+    p.add_argument("--kvflash-exact-prefill", nargs="?", const="on", default="auto", choices=["on", "off", "auto"],
+                   help="prompts attend the whole context (pool and host store) as the full cache's prefill does, so "
+                   "every chunk's K/V are exact; decode reads the pool (CPU). auto (the default): on where the model's "
+                   "paged layers are at most a quarter of its layers, up to position 16384; the flag alone: on")
     p.add_argument("--kvflash-prefill-rescore", type=int, default=0, metavar="N",
                    help="qk policies: rescore every N pooled pieces while a prompt is read, so later pieces attend "
                    "the chunks the latest piece ranks highest beside the recent half of the pool (0: off)")
@@ -63,7 +65,7 @@ def _make_session(a):
     return Session(a.model or DEFAULT_MODEL, max_ctx=a.max_ctx, kvflash=_pool_arg(a.kvflash), policy=a.kvflash_policy,
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
-                   exact_prefill=a.kvflash_exact_prefill, prefill_rescore=a.kvflash_prefill_rescore,
+                   exact_prefill=exact_prefill_arg(a.kvflash_exact_prefill), prefill_rescore=a.kvflash_prefill_rescore,
                    prefill_reread=a.kvflash_prefill_reread, rpc=a.rpc,
                    tensor_split=a.tensor_split)
 

@@ -924,6 +924,7 @@ def serve(args) -> int:
     except ImportError as e:
         raise SystemExit(f"kvflash serve needs the serve extra: pip install 'kvflash[serve]' ({e})") from None
     from . import _core
+    from ._args import exact_prefill_arg
     from ._args import pool_arg as _pool_arg
     from .models import resolve_model
     from .session import Session
@@ -967,7 +968,7 @@ def serve(args) -> int:
     sessions = [Session(model, max_ctx=args.max_ctx, kvflash=_pool_arg(args.kvflash), policy=args.kvflash_policy,
                         drafter=args.prefill_drafter, tau=args.kvflash_tau, kv_type=args.kv_type, seed=args.seed,
                         allow_long_ctx=args.allow_long_ctx, exact=getattr(args, "kvflash_exact", False),
-                        exact_prefill=getattr(args, "kvflash_exact_prefill", False),
+                        exact_prefill=exact_prefill_arg(getattr(args, "kvflash_exact_prefill", "auto")),
                         prefill_rescore=getattr(args, "kvflash_prefill_rescore", 0),
                         prefill_reread=getattr(args, "kvflash_prefill_reread", False),
                         verbose=i == 0) for i in range(args.parallel)]

@@ -52,13 +52,15 @@ class Session:
                  verbose: bool = True,
                  device: str = "auto",
                  max_host_bytes: Optional[int] = None, prefill_piece: Optional[int] = None,
-                 exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: bool = False,
+                 exact: bool = False, exact_draft: Optional[int] = None, exact_prefill: Union[bool, str] = False,
+                 exact_prefill_until: Optional[int] = None,
                  rpc: Optional[Sequence[str]] = None, tensor_split: Optional[Sequence[float]] = None):
         check_session_args(kv_type=kv_type, threads=threads, max_host_bytes=max_host_bytes, exact=exact,
-                           exact_prefill=exact_prefill, exact_draft=exact_draft, tau=tau, kvflash=kvflash,
+                           exact_prefill=exact_prefill, exact_prefill_until=exact_prefill_until,
+                           exact_draft=exact_draft, tau=tau, kvflash=kvflash,
                            reeval_tokens=reeval_tokens, prefill_rescore=prefill_rescore, prefill_reread=prefill_reread)
         rpc, tensor_split = rpc_args(rpc, tensor_split)
-        if rpc and (exact or exact_prefill or prefill_reread):
+        if rpc and (exact or exact_prefill is True or prefill_reread):
             raise ValueError("exact=True, exact_prefill=True and prefill_reread=True read the host store in place with "
                              "kvflash's CPU kernel in one process; they cannot run with layers on RPC servers (rpc=...)")
         if isinstance(model, _core.Model):
@@ -135,8 +137,15 @@ class Session:
         self.exact_draft = exact_draft
         # Exact prefill: prompts are evaluated as the full cache evaluates them (every position attended,
         # paged-out rows read from the host store), so every chunk's K/V are the full cache's; decode then
-        # reads the pool as usual.  Implied by exact mode; nothing to do for the full cache.
-        self.exact_prefill = (exact_prefill or exact) and self.kvflash
+        # reads the pool as usual.  Implied by exact mode; nothing to do for the full cache.  'auto': on
+        # where the core measures it cheap (few paged layers, the CPU backend), up to the position it gives
+        # (Model.auto_exact_prefill_until; pieces from there are pooled); off elsewhere.
+        self.exact_prefill_until = 0 if exact else exact_prefill_until or 0
+        if exact_prefill == "auto" and not exact:
+            if exact_prefill_until is None:
+                self.exact_prefill_until = int(self.model.auto_exact_prefill_until)
+            exact_prefill = int(self.model.auto_exact_prefill_until) > 0
+        self.exact_prefill = bool(exact_prefill or exact) and self.kvflash
         # What a policy's view may ask of the core (read-only), and who it serves.
         self._handles = ScorerHandles.of(self.runtime, self.tokenizer,
                                          Target(str(self.model_path), self.model, self.tokenizer, self.threads,
@@ -193,7 +202,8 @@ class Session:
                      prefill_reread=self.prefill_reread,
                      exact=self.exact,
                      exact_draft=-1 if self.exact_draft is None else self.exact_draft,
-                     exact_prefill=self.exact_prefill, allow_long_ctx=self._allow_long_ctx,
+                     exact_prefill=self.exact_prefill, exact_prefill_until=self.exact_prefill_until,
+                     allow_long_ctx=self._allow_long_ctx,
                      seed_given=self.seed is not None)
         # how the core names the policy (a restore compares names); its settings are taken at save()
         rt.set_policy_spec("" if self._core_named() else json.dumps({"name": self._policy.name, "custom": True}))
@@ -222,6 +232,8 @@ class Session:
     @property
     def banner(self) -> str:
         mode = (" [exact: drafts over the pool, verified over the whole context]" if self.exact
+                else f" [exact prefill: prompts attend the whole context up to position {self.exact_prefill_until}]"
+                if self.exact_prefill and self.exact_prefill_until
                 else " [exact prefill: prompts attend the whole context]" if self.exact_prefill
                 else "" if self.kvflash else " [full cache]")
         line = (f"[kvflash] resident pool {self.runtime.pool_tokens} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
