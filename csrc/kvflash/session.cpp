@@ -166,6 +166,7 @@ void Session::eval_logits(const int32_t *ids, int32_t n, bool exact) {
     std::vector<float> l(size_t(model_->hparams().n_vocab));
     EvalOptions opt;
     opt.exact = exact;
+    opt.exact_until = exact ? exact_prefill_until() : 0;   // (exact mode: 0, every position)
     eval(ids, n, false, l.data(), opt);
     logits_.swap(l);
 }
