@@ -227,6 +227,21 @@ def test_exact_greedy_is_the_full_cache(models, arch):
     assert ex.pager.stats["host_chunks"] > 0 and ex.stats["exact_rounds"] > 0
 
 
+def test_exact_prefill_auto_on_a_hybrid(models):
+    """exact_prefill='auto' is on for the hybrids (one paged layer in four) and off for qwen3moe (every layer
+    paged); on, a prompt that overflows the pool leaves the full cache's logits, recurrent layers and all."""
+    for arch in ARCHS:
+        s = _session(models[arch]["path"], 256, policy="qk", exact_prefill="auto")
+        assert s.exact_prefill == (arch in HYBRIDS) and s.exact_prefill_until == (16384 if arch in HYBRIDS else 0)
+    path = models["qwen35"]["path"]
+    prompt = _ids(900, seed=9).tolist()
+    full, ep = _session(path), _session(path, 256, policy="qk", exact_prefill="auto")
+    full.prefill(prompt)
+    ep.prefill(prompt)
+    assert ep.pager.stats["host_chunks"] > 0
+    assert np.array_equal(ep.logits(), full.logits())
+
+
 def test_pool_smaller_than_the_prompt_runs(models):
     """Eviction and recall with recurrent layers beside the paged ones: the pooled session decodes and its
     paged layers' chunks move; the recurrent layers' state is never paged."""
