@@ -158,6 +158,17 @@ def test_ruler_new_tasks_and_genre_haystacks(session):
     assert ruler.score("HPLAH, INUFC and tjsca", ["HPLAH", "INUFC", "TJSCA", "UCQUW"]) == 0.75
 
 
+def test_ruler_target_depths_spread_over_the_genres():
+    """One trial per genre puts the target at every depth of the cycle (trial 0 of each genre starts it at the
+    genre's place); filler and ledger keep the plain cycle, so their trials are the ones measured before."""
+    first = [ruler.target_depth(g, 0) for g in corpus.GENRES]
+    assert set(first) == set(ruler.DEPTHS) and len(corpus.GENRES) >= len(ruler.DEPTHS)
+    for g in corpus.GENRES:
+        assert sorted(ruler.target_depth(g, i) for i in range(len(ruler.DEPTHS))) == sorted(ruler.DEPTHS)
+    for h in ruler.HAYSTACKS:
+        assert [ruler.target_depth(h, i) for i in range(10)] == [ruler.DEPTHS[i % len(ruler.DEPTHS)] for i in range(10)]
+
+
 def test_cli_corpus_options(capsys):
     from kvflash.bench import cli
     p = cli.build_parser()

@@ -35,8 +35,9 @@ two of its units, on a line of its own except in ``wiki``'s running prose).
 Splits, never mixed: ``tuning`` (what selection parameters are chosen on) and ``reporting`` (what committed
 figures are measured on).  They share no wording, no key word and no value word (the word lists are split
 by index parity) and draw their trials from separate seed spaces.  A trial is fixed by (split, task,
-haystack, seed, index): the target's depth cycles through DEPTHS (evenly spread), everything else comes
-from a seeded RNG, so every mode and policy sees the same prompt.
+haystack, seed, index): the target's depth cycles through DEPTHS (evenly spread; a corpus genre starts the
+cycle at its own place in the genre list, so a run of one trial per genre spreads over the depths too),
+everything else comes from a seeded RNG, so every mode and policy sees the same prompt.
 
 Scored as RULER scores these tasks (vt, cwe and fwe included): the share of the expected values that occur in the answer
 (case-insensitive; digit groups may be separated by commas or spaces), averaged over trials; ``all``
@@ -133,6 +134,13 @@ ANSWER_HINT = {"number": "Answer with the number only.", "word": "Answer with th
 MULTI_HINT = "Answer with all of them, separated by commas."
 FILLER = ("The hills are quiet and the river is slow. A cart goes by on the road. Birds sing in the hedge. "
           "Then the day goes on as it did before. ")
+
+
+def target_depth(haystack: str, i: int) -> int:
+    """The target needle's depth (percent) in trial i: DEPTHS cycled, a corpus genre starting at its index in
+    the genre list (filler and ledger at the first), so that one trial per genre covers the depths."""
+    start = GENRE_HAYSTACKS.index(haystack) if haystack in GENRE_HAYSTACKS else 0
+    return DEPTHS[(i + start) % len(DEPTHS)]
 
 
 def _half(xs: list, split: str) -> list:
@@ -261,7 +269,7 @@ class RulerBuilder:
         rng = self._rng(task, haystack, i)
         sents, lens, hay_lower, sep = self._haystack(haystack)
         kind = KINDS[i % len(KINDS)] if task == "single" else "number"
-        depth = DEPTHS[i % len(DEPTHS)]
+        depth = target_depth(haystack, i)
         noun, nouns = KIND_NOUN[kind]
         keys = rng.sample(self.keys, 1 + N_DISTRACTORS + N_QUERIES)
         taken: set = set()
@@ -306,7 +314,7 @@ class RulerBuilder:
         taken: set = set()
         value = self._value(rng, "value5", taken, hay_lower)
         names = [self._value(rng, "var", taken, hay_lower) for _ in range(VT_HOPS + 1)]
-        depth = DEPTHS[i % len(DEPTHS)]
+        depth = target_depth(haystack, i)
         # one statement at the trial's depth, the others at random depths; in chain order along the text
         depths = sorted([depth] + [rng.uniform(2, 98) for _ in range(VT_HOPS)])
         stmts = [self.w["vt_first"].format(var=names[0], value=value)]
