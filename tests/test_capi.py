@@ -494,6 +494,16 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("RRD", refused(policy=b"qk", pool_tokens=512, prefill_reread=2))
         print("EPF", refused(policy=b"qk", pool_tokens=512, exact_prefill=3))
         print("EPA_OK", refused(policy=b"qk", pool_tokens=512, exact_prefill=2) is None)  # auto (API version 12)
+        print("CHK", refused(pool_tokens=512, chunk_tokens=-1))
+        # chunk_tokens 0: auto (API version 13): 16-token chunks for a 256-token pool, which 64's floor refuses
+        print("CHA_OK", refused(pool_tokens=256, chunk_tokens=0) is None, refused(pool_tokens=256) is not None)
+        q = lib.kvflash_default_params()
+        q.pool_tokens, q.chunk_tokens = 512, 0
+        s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
+        ids = (ctypes.c_int32 * 100)(*[5 + i for i in range(100)])
+        assert s and lib.kvflash_eval(s, ids, 100, None) == 0
+        print("CHA_CHUNKS", lib.kvflash_n_chunks(s))   # ceil(100 / 16)
+        lib.kvflash_session_free(s)
         v10 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_reread.offset)  # API version 10
         print("V10_OK", v10 is None, lib.kvflash_default_params().prefill_reread)
         v9 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_rescore.offset)  # API version 9
@@ -516,6 +526,8 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out
     assert "V10_OK True 0" in out and "EPA_OK True" in out
+    assert "CHA_OK True True" in out and "CHA_CHUNKS 7" in out, out
+    assert re.search(r"^CHK .*params\.chunk_tokens must be 0 \(auto", out, re.M), out
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry"),
                        ("PRE", "prefill_rescore"), ("RRD", "prefill_reread"), ("EPF", "exact_prefill")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out

@@ -187,3 +187,23 @@ def test_exact_prefill_flag_defaults_to_auto():
         p.parse_args(["--kvflash-exact-prefill", "maybe"])
     with pytest.raises(SystemExit, match="must be 'on', 'off' or 'auto'"):
         exact_prefill_arg("maybe")
+
+
+def test_chunk_tokens_flag_defaults_to_auto(small, capsys):
+    """--kvflash-chunk-tokens: 'auto' when absent, which pages a 512-token pool in 16-token chunks (the core's
+    rule: 24 free chunks) and a 2048-token one in 64-token chunks; a number is taken as it is; anything else is
+    refused by the parser with a message."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cli._session_args(p)
+    assert p.parse_args([]).kvflash_chunk_tokens == "auto"
+    assert p.parse_args(["--kvflash-chunk-tokens", "32"]).kvflash_chunk_tokens == 32
+    for bad in ("x", "0", "-16"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--kvflash-chunk-tokens", bad])
+        assert "expected 'auto' or a positive integer" in capsys.readouterr().err
+    base = ["-m", str(small), "-t", "1", "--kvflash-policy", "lru", "--max-ctx", "4096", "--no-progress"]
+    assert cli._make_session(p.parse_args([*base, "--kvflash", "512"])).chunk_tokens == 16
+    assert cli._make_session(p.parse_args([*base, "--kvflash", "2048"])).chunk_tokens == 64
+    assert cli._make_session(p.parse_args([*base, "--kvflash", "512", "--kvflash-chunk-tokens", "64"])).chunk_tokens == 64

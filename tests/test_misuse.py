@@ -797,3 +797,34 @@ def test_prefill_piece_is_checked_and_cuts_a_pooled_prompt(small):
     # the pieces differ (64 tokens against one chunk), so what each token attended to differs
     assert not np.array_equal(a.logits(), b.logits())
     assert len(list(a.generate(None, max_tokens=4, temperature=0.0, ignore_eos=True))) == 4
+
+
+def test_chunk_tokens_auto_follows_the_pool(small):
+    """chunk_tokens='auto': the core's rule (the largest of 64, 32, 16 leaving >= 24 chunks free of the sink, the
+    tail window and the open chunk; prompts read in 64-token pieces) -- a 512-token pool pages 16-token chunks
+    and reads a prompt as chunk_tokens=16 with prefill_piece=64 does, bit for bit; a pool's floor is the
+    smallest chunk's; anything but 'auto' or a positive integer is refused."""
+    import kvflash
+    from kvflash import _core
+    assert [_core.auto_chunk_geometry(p) for p in (0, 256, 512, 768, 1024, 2048, 8192)] == [
+        (64, 0), (16, 64), (16, 64), (16, 64), (32, 64), (64, 0), (64, 0)]
+    assert _core.auto_chunk_geometry(1024, 1, 8) == (16, 64)   # a longer tail window leaves 32-token chunks 18 free
+    kw = dict(max_ctx=2048, policy="lru", threads=1, verbose=False)
+    ids = [5 + i % 250 for i in range(1200)]
+    a = kvflash.Session(small, kvflash=512, chunk_tokens="auto", **kw)
+    b = kvflash.Session(small, kvflash=512, chunk_tokens=16, prefill_piece=64, **kw)
+    c = kvflash.Session(small, kvflash=512, chunk_tokens=16, **kw)
+    assert a.chunk_tokens == 16 and a.pager.chunk_tokens == 16
+    for s in (a, b, c):
+        s.prefill(ids)
+    a.pager.check_invariants()
+    assert a.pager.stats["host_chunks"] > 0 and np.array_equal(a.logits(), b.logits())
+    assert not np.array_equal(a.logits(), c.logits())   # the pieces are 64 tokens, not one chunk
+    assert kvflash.Session(small, kvflash=1024, chunk_tokens="auto", **kw).chunk_tokens == 32
+    assert kvflash.Session(small, kvflash=None, chunk_tokens="auto", **kw).chunk_tokens == 64
+    assert kvflash.Session(small, kvflash=256, chunk_tokens="auto", **kw).chunk_tokens == 16   # 64's floor is 512
+    with pytest.raises(ValueError, match="below the minimum 512"):
+        kvflash.Session(small, kvflash=256, **kw)
+    for bad in ("big", 0, -16, 1.5, None):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive integer or 'auto'"):
+            kvflash.Session(small, kvflash=512, chunk_tokens=bad, **kw)

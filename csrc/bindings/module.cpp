@@ -166,6 +166,12 @@ PYBIND11_MODULE(_core, m) {
         PagerConfig c; c.chunk_tokens = chunk_tokens; c.sink_chunks = sink_chunks; c.tail_window_chunks = tail_window_chunks;
         return c.min_pool_tokens();
     }, py::arg("chunk_tokens") = 64, py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4);
+    m.def("auto_chunk_geometry", [](int32_t pool_tokens, int32_t sink_chunks, int32_t tail_window_chunks) {
+        const ChunkGeometry g = auto_chunk_geometry(pool_tokens, sink_chunks, tail_window_chunks);
+        return py::make_tuple(g.chunk_tokens, g.prefill_piece);
+    }, py::arg("pool_tokens"), py::arg("sink_chunks") = 1, py::arg("tail_window_chunks") = 4,
+          "chunk_tokens='auto': (chunk_tokens, prefill_piece) for a pool (prefill_piece 0: one chunk): the largest of "
+          "64, 32, 16 leaving >= 24 free chunks beside the sink, tail window and open chunk (kvflash::auto_chunk_geometry)");
     m.def("kv_type_size", [](const std::string &kv_type) {
         const ggml_type t = kv_type_from_name(kv_type);
         return py::make_tuple(ggml_type_size(t), ggml_blck_size(t));

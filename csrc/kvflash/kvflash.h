@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 12
+#define KVFLASH_API_VERSION 13
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -68,7 +68,9 @@ struct kvflash_params {
     int64_t max_ctx;            /* logical context in tokens, 1 .. kvflash_max_context() */
     int32_t pool_tokens;        /* resident pool (>= 512 with the defaults); 0 = full cache */
     const char *kv_type;        /* "q8_0" (default), "f16", "q4_0" */
-    int32_t chunk_tokens;       /* paging granularity (64) */
+    int32_t chunk_tokens;       /* paging granularity (64); 0 (since API version 13): auto, by the pool's size:
+                                   the largest of 64, 32, 16 that leaves >= 24 chunks free of the sink and
+                                   tail window (a 512-token pool: 16), prompts still read in 64-token pieces */
     int32_t sink_chunks;        /* leading chunks never evicted (1) */
     int32_t tail_window_chunks; /* chunks before the append head never evicted (4) */
     int32_t ubatch;             /* prefill ubatch while the prompt fits the pool (512) */

@@ -284,9 +284,19 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
         c.max_ctx = p.max_ctx;
         c.pool_tokens = p.pool_tokens;
         c.kv_type = p.kv_type ? p.kv_type : "q8_0";
-        c.chunk_tokens = p.chunk_tokens;
         c.sink_chunks = p.sink_chunks;
         c.tail_window_chunks = p.tail_window_chunks;
+        if (p.chunk_tokens < 0)
+            throw std::invalid_argument("params.chunk_tokens must be 0 (auto: by the pool's size) or a chunk size, got " +
+                                        std::to_string(p.chunk_tokens));
+        if (p.chunk_tokens == 0) {   // auto (API version 13): the core's rule for this pool
+            const kvflash::ChunkGeometry g = kvflash::auto_chunk_geometry(p.pool_tokens, p.sink_chunks,
+                                                                          p.tail_window_chunks);
+            c.chunk_tokens = g.chunk_tokens;
+            c.prefill_piece = g.prefill_piece;
+        } else {
+            c.chunk_tokens = p.chunk_tokens;
+        }
         c.ubatch = p.ubatch;
         if (p.max_host_bytes < 0)
             throw std::invalid_argument("params.max_host_bytes must be >= 0 (0: no cap), got " +

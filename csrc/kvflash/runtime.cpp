@@ -20,6 +20,19 @@ namespace kvflash {
 using clk = std::chrono::steady_clock;
 static double ms_since(clk::time_point t) { return std::chrono::duration<double, std::milli>(clk::now() - t).count(); }
 
+ChunkGeometry auto_chunk_geometry(int32_t pool_tokens, int32_t sink_chunks, int32_t tail_window_chunks) {
+    ChunkGeometry g;
+    if (pool_tokens <= 0) return g;                      // the full cache: nothing is paged
+    const int32_t protect = std::max(sink_chunks, 0) + std::max(tail_window_chunks, 0) + 1;
+    g.chunk_tokens = 16;
+    for (int32_t c : {64, 32}) {
+        if (pool_tokens / c - protect >= kAutoChunkFreeSlots) { g.chunk_tokens = c; break; }
+    }
+    const int32_t room = pool_tokens - protect * g.chunk_tokens;
+    g.prefill_piece = g.chunk_tokens < 64 && room >= 64 ? 64 : 0;
+    return g;
+}
+
 struct Runtime::Graph {
     int32_t n = 0, n_kv = 0;
     bool all_logits = false, exact = false, capture_all = false, one_row = false;

@@ -60,6 +60,21 @@ struct RuntimeConfig {
     int32_t recurrent_checkpoints = 8;
 };
 
+// chunk_tokens 'auto' (the CLI's and the server's default; C params.chunk_tokens = 0): the largest of 64, 32 and
+// 16 tokens that leaves a policy at least kAutoChunkFreeSlots chunks of the pool besides the sink, the tail window
+// and the open chunk, else 16; the pooled prefill still reads pieces of 64 tokens where they fit (one chunk
+// otherwise). In 64-token chunks a 512-token pool (1/16 of 8K) leaves a policy 2 free slots of its 8 (6 are
+// protected): enough for one needle (SmolLM2 at 8K on tuning data: qk kept it in 10 of 12 trials with either
+// chunk size), not for what several needles need (Gemma-3 at 4K, 1/8: all four multi-value needles kept in 3 of
+// 4 trials with 16-token chunks, 0 of 4 with 64; only 16-token chunks reached 1/16: bench/results/tuning/ruler-4k,
+// tuning/chunk-smollm2-8k-512). A full cache (pool_tokens 0) keeps 64 and the default piece.
+inline constexpr int32_t kAutoChunkFreeSlots = 24;
+struct ChunkGeometry {
+    int32_t chunk_tokens = 64;
+    int32_t prefill_piece = 0;        // RuntimeConfig::prefill_piece (0: one chunk)
+};
+ChunkGeometry auto_chunk_geometry(int32_t pool_tokens, int32_t sink_chunks, int32_t tail_window_chunks);
+
 struct RuntimeStats {
     int64_t n_eval_calls = 0, n_tokens_evaluated = 0;
     double t_graph_ms = 0, t_compute_ms = 0, t_mask_ms = 0;

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
-from ._args import exact_prefill_arg
+from ._args import chunk_tokens_arg, exact_prefill_arg
 from ._args import pool_arg as _pool_arg
 
 
@@ -22,6 +22,10 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
                    help="prompts attend the whole context (pool and host store) as the full cache's prefill does, so "
                    "every chunk's K/V are exact; decode reads the pool (CPU). auto (the default): on where the model's "
                    "paged layers are at most a quarter of its layers, up to position 16384; the flag alone: on")
+    p.add_argument("--kvflash-chunk-tokens", type=chunk_tokens_arg, default="auto", metavar="N|auto",
+                   help="paging granularity in tokens; auto (the default): the largest of 64, 32, 16 that leaves at "
+                   "least 24 chunks of the pool free of the sink and the tail window (a 512-token pool: 16, 1024: "
+                   "32, 2048 and up: 64)")
     p.add_argument("--kvflash-prefill-rescore", type=int, default=0, metavar="N",
                    help="qk policies: rescore every N pooled pieces while a prompt is read, so later pieces attend "
                    "the chunks the latest piece ranks highest beside the recent half of the pool (0: off)")
@@ -66,7 +70,8 @@ def _make_session(a):
                    drafter=a.prefill_drafter, tau=a.kvflash_tau, kv_type=a.kv_type, threads=a.threads,
                    seed=a.seed, allow_long_ctx=a.allow_long_ctx, device=a.device, exact=a.kvflash_exact,
                    exact_prefill=exact_prefill_arg(a.kvflash_exact_prefill), prefill_rescore=a.kvflash_prefill_rescore,
-                   prefill_reread=a.kvflash_prefill_reread, rpc=a.rpc,
+                   prefill_reread=a.kvflash_prefill_reread, chunk_tokens=a.kvflash_chunk_tokens,
+                   rpc=a.rpc,
                    tensor_split=a.tensor_split)
 
 

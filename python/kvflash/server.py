@@ -971,6 +971,7 @@ def serve(args) -> int:
                         exact_prefill=exact_prefill_arg(getattr(args, "kvflash_exact_prefill", "auto")),
                         prefill_rescore=getattr(args, "kvflash_prefill_rescore", 0),
                         prefill_reread=getattr(args, "kvflash_prefill_reread", False),
+                        chunk_tokens=getattr(args, "kvflash_chunk_tokens", "auto"),
                         verbose=i == 0) for i in range(args.parallel)]
     # the id it lists: --alias, else the registry name it was started with, else the file's stem; the name or
     # path it was started with is always accepted

@@ -22,7 +22,7 @@ import numpy as np
 from . import _core, _snapshot
 from . import scoring  # noqa: F401  (registers the built-in scored policies)
 from ._checks import (check_exact_device, check_generate_args, check_max_ctx, check_prefill_piece,
-                      check_session_args, rpc_args)
+                      check_session_args, is_int, rpc_args)
 from ._pool import pool_tokens
 from ._stats import PrefillProgress, session_stats
 from .devices import resolve_device
@@ -45,7 +45,7 @@ class Session:
     def __init__(self, model: Union[str, os.PathLike, "_core.Model"] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
                  kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "drafter",
                  drafter: Union[str, os.PathLike, None] = None, tau: int = 64, kv_type: str = "q8_0",
-                 threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: int = 64,
+                 threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: Union[int, str] = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",
                  host_path: Union[str, os.PathLike, None] = None, allow_long_ctx: bool = False,
                  ubatch: int = 512, reeval_tokens: int = 64, prefill_rescore: int = 0, prefill_reread: bool = False,
@@ -107,9 +107,19 @@ class Session:
         self._bound = make_policy(policy, ctx)
         self._policy, self._policy_note = self._bound.policy, ctx.note
         req = self._bound.requirements
+        # chunk_tokens='auto' (the CLI's and the server's default): the core's rule for the pool this resolves to
+        # (the largest of 64, 32, 16 leaving >= 24 chunks free of the sink and the tail window), the pool's floor
+        # checked at the smallest of them; prompts still read 64-token pieces (kvflash::auto_chunk_geometry).
+        auto_chunk = chunk_tokens == "auto"
+        if not auto_chunk and not is_int(chunk_tokens, 1):
+            raise ValueError(f"chunk_tokens must be a positive integer or 'auto', got {chunk_tokens!r}")
         pool, self.auto_reason = pool_tokens(self.model, kvflash, kv_type=kv_type, max_ctx=max_ctx,
-                                             chunk_tokens=chunk_tokens, sink_chunks=sink_chunks,
+                                             chunk_tokens=16 if auto_chunk else chunk_tokens, sink_chunks=sink_chunks,
                                              tail_window_chunks=tail_window_chunks, extra_bytes=req.extra_bytes)
+        if auto_chunk:
+            chunk_tokens, piece = _core.auto_chunk_geometry(pool, sink_chunks, tail_window_chunks)
+            if prefill_piece is None and piece:
+                prefill_piece = piece
         # prefill_piece changes how a prompt is cut, not what a snapshot holds, so a snapshot does not record it.
         check_prefill_piece(prefill_piece, pool, chunk_tokens, sink_chunks, tail_window_chunks)
         # the runtime's capture window and summaries are fixed here: a policy swapped in later must fit them
