@@ -814,7 +814,7 @@ def test_chunk_tokens_auto_follows_the_pool(small):
     a = kvflash.Session(small, kvflash=512, chunk_tokens="auto", **kw)
     b = kvflash.Session(small, kvflash=512, chunk_tokens=16, prefill_piece=64, **kw)
     c = kvflash.Session(small, kvflash=512, chunk_tokens=16, **kw)
-    assert a.chunk_tokens == 16 and a.pager.chunk_tokens == 16
+    assert a.chunk_tokens == 16 and a.pager.chunk_tokens == 16 and "512 tokens in 16-token chunks" in a.banner
     for s in (a, b, c):
         s.prefill(ids)
     a.pager.check_invariants()

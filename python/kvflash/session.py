@@ -246,7 +246,9 @@ class Session:
                 if self.exact_prefill and self.exact_prefill_until
                 else " [exact prefill: prompts attend the whole context]" if self.exact_prefill
                 else "" if self.kvflash else " [full cache]")
-        line = (f"[kvflash] resident pool {self.runtime.pool_tokens} tokens (logical max_ctx {self.max_ctx}), tau={self.tau}, "
+        pool = (f"{self.runtime.pool_tokens} tokens in {self.chunk_tokens}-token chunks" if self.kvflash
+                else f"{self.runtime.pool_tokens} tokens")
+        line = (f"[kvflash] resident pool {pool} (logical max_ctx {self.max_ctx}), tau={self.tau}, "
                 f"policy={self.policy.name}{self._policy_note}{mode}")
         if self.auto_reason:
             line += f"\n[kvflash] auto pool: {self.auto_reason}"
