@@ -165,7 +165,7 @@ def run_load(cfg: BenchConfig) -> Result:
     args = ["--max-ctx", str(max_ctx), "--kvflash", str(pool), "--kvflash-policy", policy,
             "--kv-type", cfg.kv_type, "-t", str(threads), "--seed", str(cfg.seed), "--parallel", str(cfg.parallel),
             "--n-predict", str(cap), "--max-body-bytes", str(body_cap), "--max-queue", str(4 * cfg.clients),
-            "--timeout", "300"]
+            "--timeout", "300", "--kvflash-chunk-tokens", str(cfg.chunk_tokens or 64)]   # the bench's geometry
     words = haystack_text().split()
     n_words = max(8, int(cfg.client_prompt * 0.7))   # about client_prompt tokens of English
     base = _base(cfg)

@@ -154,7 +154,10 @@ def run_serve(cfg: BenchConfig) -> Result:
     model = str(resolve_model(cfg.model))
     args = ["--max-ctx", str(max_ctx), "--kvflash", str(pool), "--kvflash-policy", s.policy.name,
             "--kvflash-tau", str(cfg.tau), "--kv-type", cfg.kv_type, "-t", str(s.threads),
-            "--seed", str(cfg.seed)]
+            "--seed", str(cfg.seed),
+            # the in-process session's geometry and prefill, not the server's defaults (auto chunk size, auto
+            # exact prefill): the streams are compared token for token
+            "--kvflash-chunk-tokens", str(s.chunk_tokens), "--kvflash-exact-prefill", "on" if s.exact_prefill else "off"]
     if s.max_ctx > int(s.hparams["n_ctx_train"]):
         args.append("--allow-long-ctx")
     base = _base(cfg, s)
