@@ -471,6 +471,11 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         err = ctypes.create_string_buffer(512)
         p = lib.kvflash_default_params()
         assert p.struct_size == ctypes.sizeof(Params), (p.struct_size, ctypes.sizeof(Params))
+        # the C default qk is Python's QKPolicy() (both the core's PeakScoring)
+        from kvflash.scoring import QKPolicy
+        d = QKPolicy()
+        assert (p.qk_queries, p.qk_contrast, p.qk_spread) == (d.n_queries, d.contrast, d.spread), \
+            (p.qk_queries, p.qk_contrast, p.qk_spread)
         print("MAX", lib.kvflash_max_context())
         m = lib.kvflash_model_load({str(tiny).encode()!r}, 1, err, 512)
         assert m, err.value

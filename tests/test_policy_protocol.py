@@ -220,7 +220,7 @@ def test_swapping_the_policy_reconfigures_the_core(tiny):
     s.rescore()
     assert keep.calls == 1 and s.last_scores.shape == qk_scores.shape
     # a policy the runtime was not made for is refused, and the session keeps the one it had
-    with pytest.raises(ValueError, match="captures 40"):
+    with pytest.raises(ValueError, match="captures 72"):
         s.policy = QKPolicy(n_queries=64)
     with pytest.raises(ValueError, match="chunk summaries"):
         s.policy = QKPolicy("bound")
@@ -231,7 +231,7 @@ def test_swapping_the_policy_reconfigures_the_core(tiny):
 
 def test_requirements_of_the_builtins(tiny):
     r = QKPolicy().requirements
-    assert r.native is not None and r.n_capture == 40 and not r.chunk_summaries and r.scores
+    assert r.native is not None and r.n_capture == 72 and not r.chunk_summaries and r.scores
     assert r.native.core_args(30)["n_layers"] == _core.qk_auto_layers(30)
     # every mode and aggregate is the core's scorer (QkScoring), the summary modes with chunk summaries
     assert QKPolicy(aggregate="chunk").requirements.native.core_args(30)["aggregate"] == "chunk"

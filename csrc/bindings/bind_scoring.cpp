@@ -116,8 +116,9 @@ void bind_scoring(RuntimeClass &cls) {
                      qk_peak_scores(*r.rt, p, out.mutable_data(), n_chunks, n_threads);
                  }
                  return out;
-             }, py::arg("n_chunks"), py::kw_only(), py::arg("n_queries") = 8, py::arg("contrast") = 32,
-             py::arg("spread") = 4, py::arg("n_layers") = 0, py::arg("n_threads") = 0, py::arg("carry") = 16,
+             }, py::arg("n_chunks"), py::kw_only(), py::arg("n_queries") = PeakScoring{}.n_queries,
+             py::arg("contrast") = PeakScoring{}.contrast, py::arg("spread") = PeakScoring{}.spread,
+             py::arg("n_layers") = 0, py::arg("n_threads") = 0, py::arg("carry") = PeakScoring{}.carry,
              "The qk policy's peak scores of chunks [0, n_chunks) (scoring.h): per token the attention of the last "
              "n_queries captured queries over the first n_layers paged layers (0: all), minus the baseline of the "
              "n_queries ending `contrast` tokens earlier, spread (and carry), then each chunk's peak token.")

@@ -84,7 +84,7 @@ struct kvflash_params {
     int32_t reeval_tokens;      /* qk: prompt tokens re-read after a prompt rescore moved chunks (64) */
     uint64_t seed;              /* sampler seed (0) */
     /* -- since API version 3: qk scores tokens, then each chunk takes its peak token -- */
-    int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (32; 0: off) */
+    int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (64; 0: off) */
     int32_t qk_spread;          /* each token takes the peak of this many tokens either side (4) */
     int32_t qk_layers;          /* the first N paged layers score (-1: a quarter, at least 8; 0: all) */
     /* -- since API version 4 -- */

@@ -170,7 +170,7 @@ kvflash_params kvflash_default_params(void) {
     p.qk_queries = 8;
     p.reeval_tokens = 64;
     p.seed = 0;
-    p.qk_contrast = 32;
+    p.qk_contrast = 64;
     p.qk_spread = 4;
     p.qk_layers = -1;
     p.qk_carry = 16;

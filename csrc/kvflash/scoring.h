@@ -101,7 +101,10 @@ void spread_max(const double *x, int64_t n, int32_t reach, double *out);
 // The qk policy's default scoring ("peak"), with the target's own captured queries.
 struct PeakScoring {
     int32_t n_queries = 8;   // the latest captured queries score the history
-    int32_t contrast = 32;   // minus what the n_queries ending `contrast` tokens earlier pay (0: off)
+    // minus what the n_queries ending `contrast` tokens earlier pay (0: off); 64: the baseline falls before a
+    // question that names several keys (32 fell on the first key's mention and cancelled its needle's peak:
+    // bench/results/tuning/qk-contrast-gemma3-8k-512)
+    int32_t contrast = 64;
     int32_t spread = 4;      // chunk_peaks' spread
     int32_t n_layers = 0;    // the first n_layers paged layers only (0: all)
     int32_t carry = 16;      // chunk_peaks' carry (0: none beyond spread); 16 chosen on the tuning splits
@@ -137,7 +140,7 @@ struct QkScoring {
     QkAggregate aggregate = QkAggregate::Peak;
     int32_t n_queries = 8;      // keys: the latest captured queries that score (summaries: 1)
     int32_t smooth_width = 5;   // "token"'s moving average (recorded whatever the aggregate)
-    int32_t contrast = 32, spread = 4, carry = 16;   // "peak" only (0 for the others)
+    int32_t contrast = 64, spread = 4, carry = 16;   // "peak" only (0 for the others); PeakScoring's
     int32_t n_layers = -1;      // keys: the first N paged layers (-1: qk_auto_layers, 0: all)
 
     // The defaults of a mode and aggregate ("" : the mode's own: peak for keys), as QKPolicy's.

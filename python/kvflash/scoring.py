@@ -44,8 +44,8 @@ class QKPolicy(BasePolicy):
       The core scores it itself (``requirements.native``) unless a subclass overrides score().
       ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
-      Defaults (8 queries, contrast 32, spread 4, carry 16, auto layers) chosen on
-      the tuning splits (bench/drafter_rank.py --policy qk; bench/results README).
+      Defaults (8 queries, contrast 64, spread 4, carry 16, auto layers) chosen on
+      the tuning splits (bench/drafter_rank.py --policy qk, bench/qk_contrast.py; bench/results README).
     - ``"chunk"``: per layer and head the attention mass a chunk's positions
       receive, max over heads and layers (``aggregate="chunk", layers=None`` is
       the qk before 63110a5, over every paged layer).
@@ -75,7 +75,7 @@ class QKPolicy(BasePolicy):
             raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
         peak = aggregate == "peak" and mode == "keys"
         resolved = {}
-        for what, v, default in (("contrast", contrast, 32), ("spread", spread, 4), ("carry", carry, 16)):
+        for what, v, default in (("contrast", contrast, 64), ("spread", spread, 4), ("carry", carry, 16)):
             if v is None:
                 v = default if peak else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
