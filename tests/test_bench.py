@@ -37,8 +37,8 @@ def tiny(tmp_path_factory):
     ("snapshot", ["--contexts", "600,1024", "--repeats", "2", "--policy", "qk"]),
     ("attention", ["--repeats", "3", "--kv-types", "q8_0,f16", "--thread-counts", "1,2"]),
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
-               "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
-               "--split", "tuning"]),
+               "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0,drafter:c64",
+               "--haystacks", "filler,ledger", "--split", "tuning"]),
     ("ruler", ["--contexts", "1024", "--needles", "1", "--residencies", "4", "--aggregate-residencies", "4",
                "--chunk-tokens", "16", "--policies", "lru,qk,drafter,qk:q16:c0", "--haystacks", "filler,ledger",
                "--split", "tuning", "--exact-prefill"]),
@@ -233,7 +233,7 @@ def test_routine_runs_and_writes(tiny, tmp_path, capsys, routine, extra):
                     assert ", filler " in r["by_haystack"], r
             else:
                 assert "by_haystack" not in r, r
-            if r["policy"] in ("qk", "drafter", "qk:q16:c0") and r["task"] not in LIST_TASKS:
+            if r["policy"] in ("qk", "drafter", "qk:q16:c0", "drafter:c64") and r["task"] not in LIST_TASKS:
                 assert r["ranks"].endswith("(10)"), r   # 16 chunks - sink - 4 tail - the open one
         assert any("16 chunks of 16" in n for n in res["notes"])
         assert any(("TUNING data" if "tuning" in extra else "reporting data") in n for n in res["notes"])
@@ -292,6 +292,8 @@ def test_bad_arguments_are_clear(tiny, capsys):
         cli.main(["needle", "--policies", "nope"])
     assert "unknown" in capsys.readouterr().err
     for bad in (["ruler", "--policies", "qk:x3"], ["ruler", "--policies", "qk:q0"], ["needle", "--policies", "qk:q"],
+                ["ruler", "--policies", "drafter:c-1"], ["ruler", "--policies", "drafter:k4"],
+                ["needle", "--policies", "drafter:c64"],
                 ["ruler", "--tasks", "single,nope"], ["ruler", "--haystacks", "prose"], ["ruler", "--chunk-tokens", "48"],
                 ["ruler", "--split", "tuning-indirect"], ["paging", "--device", "tpu"], ["decode", "--device", "cuda:x"]):
         with pytest.raises(SystemExit):
@@ -463,3 +465,18 @@ def test_ruler_shared_prefill_equals_a_policys_own(tiny, tmp_path):
     ga = list(own.generate(None, max_tokens=8, temperature=0.0))
     gb = list(shared.generate(None, max_tokens=8, temperature=0.0))
     assert ga == gb
+
+
+def test_drafter_variant_names_override_the_drafter_options(tiny):
+    from kvflash.bench.common import BenchConfig, drafter_variant_kw, policy_variant_ok
+    from kvflash.bench.routines.ruler import _drafter
+    assert drafter_variant_kw("drafter:q8:c64:s0") == {"n_queries": 8, "contrast": 64, "spread": 0}
+    assert policy_variant_ok("drafter:c64") and policy_variant_ok("qk:c64")
+    for bad in ("drafter:q0", "drafter:c-1", "drafter:k4", "drafter:c", "qk:x1"):
+        assert not policy_variant_ok(bad), bad
+    with pytest.raises(ValueError, match="drafter:q16:c64:s4"):
+        drafter_variant_kw("drafter:z1")
+    cfg = BenchConfig(routine="ruler", model=str(tiny), drafter=str(tiny), drafter_contrast=16, drafter_queries=8)
+    base, _ = _drafter(cfg)
+    over, _ = _drafter(cfg, contrast=64)
+    assert (base.contrast, base.n_queries) == (16, 8) and (over.contrast, over.n_queries) == (64, 8)

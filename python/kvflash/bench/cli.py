@@ -331,11 +331,13 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     if args.depths and any(d > 100 for d in args.depths):
         p.error("--depths are percentages in 1..100")
     known = ("lru", "drafter", "qk", "qk-bound", "qk-mean")
-    from .common import qk_variant
-    bad = [x for x in (args.policies or []) if x not in known and not (x.startswith("qk:") and qk_variant(x, check=True))]
+    from .common import policy_variant_ok, qk_variant
+    bad = [x for x in (args.policies or []) if x not in known and not policy_variant_ok(x)]
     if bad:
         p.error(f"--policies: unknown {bad}; use {', '.join(known)} (or qk:q16:c64:s4:k16, qk with its "
-                f"n_queries, contrast, spread, carry)")
+                f"n_queries, contrast, spread, carry; drafter:q16:c64:s4 in the ruler routine)")
+    if any(x.startswith("drafter:") for x in args.policies or []) and args.routine != "ruler":
+        p.error("--policies: drafter:... settings are compared by the ruler routine only")
     if args.policy is not None and args.policy not in known and not (args.policy.startswith("qk:")
                                                                      and qk_variant(args.policy, check=True)):
         p.error(f"--policy must be one of {', '.join(known)}, got {args.policy!r}")

@@ -309,6 +309,16 @@ def model_label(model: str) -> str:
 
 
 _QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry"}
+_DRAFTER_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread"}
+
+
+def _variant_kw(name: str, keys: dict) -> dict:
+    """``base:q16:c64`` -> {"n_queries": 16, "contrast": 64} over `keys` (letter -> keyword); KeyError,
+    ValueError or IndexError for a part that does not parse."""
+    kw = {}
+    for part in name.split(":")[1:]:
+        kw[keys[part[0]]] = int(part[1:])
+    return kw
 
 
 def qk_variant(name: str, check: bool = False):
@@ -316,11 +326,8 @@ def qk_variant(name: str, check: bool = False):
     s = spread, k = carry; the rest at qk's defaults), for comparing settings in one run on one prefill.
     check=True: True when the name parses, False otherwise."""
     from kvflash.scoring import QKPolicy
-    kw = {}
     try:
-        for part in name.split(":")[1:]:
-            kw[_QK_KEYS[part[0]]] = int(part[1:])
-        pol = QKPolicy(**kw)
+        pol = QKPolicy(**_variant_kw(name, _QK_KEYS))
     except (KeyError, ValueError, IndexError):
         if check:
             return False
@@ -330,6 +337,28 @@ def qk_variant(name: str, check: bool = False):
         return True
     pol.name = name
     return pol
+
+
+def drafter_variant_kw(name: str, check: bool = False):
+    """The DrafterPolicy keywords of a drafter setting named ``drafter:q16:c64:s4`` (any of q = n_queries,
+    c = contrast, s = spread; the rest from the --drafter-* options or the policy's defaults), for comparing
+    drafter settings in one run on one prefill.  check=True: True when the name parses, False otherwise."""
+    try:
+        kw = _variant_kw(name, _DRAFTER_KEYS)
+        if any(v < (1 if k == "n_queries" else 0) for k, v in kw.items()):
+            raise ValueError
+    except (KeyError, ValueError, IndexError):
+        if check:
+            return False
+        raise ValueError(f"drafter variant {name!r}: use drafter:q16:c64:s4 (q n_queries, c contrast, s spread; "
+                         f"integers)") from None
+    return True if check else kw
+
+
+def policy_variant_ok(name: str) -> bool:
+    """A ``qk:...`` or ``drafter:...`` setting name that parses."""
+    return (name.startswith("qk:") and qk_variant(name, check=True)) or \
+        (name.startswith("drafter:") and drafter_variant_kw(name, check=True))
 
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..common import BenchConfig, Progress, Unavailable, ctx_label, open_session, qk_variant
+from ..common import BenchConfig, Progress, Unavailable, ctx_label, drafter_variant_kw, open_session, qk_variant
 from ..report import Result
 from ..ruler import GENRE_HAYSTACKS, LIST_TASKS, RulerBuilder, score
 from ._shared import BASE_COLS, _base, _long_note, passkey_chunks, rank_of
@@ -69,8 +69,9 @@ def _log_identity(cfg: BenchConfig) -> dict:
             **({"prefill_reread": True} if cfg.prefill_reread else {})}
 
 
-def _drafter(cfg: BenchConfig):
-    """The drafter policy object shared by every residency (None: no drafter, with the reason)."""
+def _drafter(cfg: BenchConfig, **over):
+    """The drafter policy object shared by every residency (None: no drafter, with the reason); `over`:
+    DrafterPolicy keywords that override the --drafter-* options (a ``drafter:c64`` setting)."""
     from kvflash.models import resolve_model
     from kvflash.scoring import DrafterPolicy
     from kvflash._pool import find_drafter
@@ -79,7 +80,7 @@ def _drafter(cfg: BenchConfig):
         return None, "no drafter found next to the model; pass --drafter"
     pairs = (("layers", cfg.drafter_layers), ("pool", cfg.drafter_pool), ("n_queries", cfg.drafter_queries),
              ("contrast", cfg.drafter_contrast), ("spread", cfg.drafter_spread))
-    return DrafterPolicy(path, threads=cfg.threads, **{k: v for k, v in pairs if v is not None}), None
+    return DrafterPolicy(path, threads=cfg.threads, **{**{k: v for k, v in pairs if v is not None}, **over}), None
 
 
 def first_line(text: str, final: bool = False) -> Optional[str]:
@@ -138,8 +139,14 @@ def run_ruler(cfg: BenchConfig) -> Result:
     log_path = Path(cfg.ruler_log) if cfg.ruler_log else None
     done = _load_log(log_path, cfg)
     identity = _log_identity(cfg)
-    drafter, drafter_na = (None, "not asked for") if "drafter" not in cfg.policies else _drafter(cfg)
-    policies = [p for p in cfg.policies if p != "drafter" or drafter is not None]
+    drafters, drafter_na = {}, None   # "drafter" and each drafter:... setting -> its policy, shared by residencies
+    for name in cfg.policies:
+        if name == "drafter" or name.startswith("drafter:"):
+            pol, drafter_na = _drafter(cfg, **({} if name == "drafter" else drafter_variant_kw(name)))
+            if pol is not None:
+                pol.name = name
+                drafters[name] = pol
+    policies = [p for p in cfg.policies if not (p == "drafter" or p.startswith("drafter:")) or p in drafters]
     floor = _core.min_pool_tokens(cfg.chunk_tokens or 64, 1, 4 if cfg.tail_chunks is None else cfg.tail_chunks)
     n_trials = sum(cfg.needles * (1 if t in LIST_TASKS else len(hays)) for t in tasks) * len(ctxs)
     res = Result("ruler", f"RULER-style retrieval ({cfg.split} split, {cfg.needles} trial(s) per haystack and cell)",
@@ -167,7 +174,7 @@ def run_ruler(cfg: BenchConfig) -> Result:
                 if pool < floor or pool % (cfg.chunk_tokens or 64):
                     na[r] = f"pool {pool} is below the floor {floor} (chunk {cfg.chunk_tokens or 64})"
                     continue
-                pols = {"lru": LRUPolicy(), "qk": QKPolicy(), "drafter": drafter}
+                pols = {"lru": LRUPolicy(), "qk": QKPolicy(), **drafters}
                 pols.update({v: qk_variant(v) for v in policies if v.startswith("qk:")})
                 widest = max((p for p in pols.values() if isinstance(p, QKPolicy)), key=lambda p: p.n_capture)
                 try:   # the session captures the widest window any qk setting reads (each takes its tail)
@@ -266,8 +273,9 @@ def run_ruler(cfg: BenchConfig) -> Result:
         pass
     os.rmdir(tmp)
     _rows(cfg, res, done, ctxs, tasks, hays, policies)
-    if drafter is None and "drafter" in cfg.policies:
-        res.notes.append(f"drafter: n/a ({drafter_na})")
+    missing = [p for p in cfg.policies if (p == "drafter" or p.startswith("drafter:")) and p not in drafters]
+    if missing:
+        res.notes.append(f"{', '.join(missing)}: n/a ({drafter_na})")
     res.notes += [
         ("TUNING data (split tuning): the prompts selection parameters are chosen on; not a result"
          if cfg.split == "tuning" else
