@@ -121,6 +121,15 @@ PYBIND11_MODULE(_core, m) {
           "with memory), cpu_features (ggml-cpu's instruction sets).");
     m.attr("MAX_CONTEXT") = kMaxContext;
     m.attr("MAX_DRAFT") = kMaxDraft;
+    {   // the qk policy's peak-scoring defaults (scoring.h), read by QKPolicy() and the C API's default params
+        const PeakScoring qk;
+        py::dict d;
+        d["n_queries"] = qk.n_queries;
+        d["contrast"] = qk.contrast;
+        d["spread"] = qk.spread;
+        d["carry"] = qk.carry;
+        m.attr("QK_PEAK_DEFAULTS") = d;
+    }
     m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,
                             py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of, int32_t n_chunks,
                             int32_t spread, int32_t carry) {

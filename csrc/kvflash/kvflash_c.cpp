@@ -167,13 +167,14 @@ kvflash_params kvflash_default_params(void) {
     p.ubatch = 512;
     p.policy = "lru";
     p.tau = 64;
-    p.qk_queries = 8;
+    const kvflash::PeakScoring qk;   // the core's qk defaults (QKPolicy() in Python reads the same)
+    p.qk_queries = qk.n_queries;
     p.reeval_tokens = 64;
     p.seed = 0;
-    p.qk_contrast = 64;
-    p.qk_spread = 4;
+    p.qk_contrast = qk.contrast;
+    p.qk_spread = qk.spread;
     p.qk_layers = -1;
-    p.qk_carry = 16;
+    p.qk_carry = qk.carry;
     p.qk_aggregate = "peak";
     p.qk_smooth_width = 5;
     p.drafter = nullptr;

@@ -62,11 +62,14 @@ class QKPolicy(BasePolicy):
 
     MODES = ("keys", "bound", "mean")
 
-    def __init__(self, mode: str = "keys", *, n_queries: int = 8, smooth_width: int = 5,
+    def __init__(self, mode: str = "keys", *, n_queries: Optional[int] = None, smooth_width: int = 5,
                  aggregate: Optional[str] = None, contrast: Optional[int] = None, spread: Optional[int] = None,
                  layers="auto", carry: Optional[int] = None):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
+        defaults = _core.QK_PEAK_DEFAULTS   # the core's PeakScoring (scoring.h): one place for the numbers
+        if n_queries is None:
+            n_queries = defaults["n_queries"]
         if not isinstance(n_queries, int) or isinstance(n_queries, bool) or not 1 <= n_queries <= 256:
             raise ValueError(f"n_queries must be an integer in [1, 256], got {n_queries!r}")
         if aggregate is None:
@@ -75,9 +78,9 @@ class QKPolicy(BasePolicy):
             raise ValueError(f"qk aggregate must be 'chunk', 'token' or 'peak', got {aggregate!r}")
         peak = aggregate == "peak" and mode == "keys"
         resolved = {}
-        for what, v, default in (("contrast", contrast, 64), ("spread", spread, 4), ("carry", carry, 16)):
+        for what, v in (("contrast", contrast), ("spread", spread), ("carry", carry)):
             if v is None:
-                v = default if peak else 0
+                v = defaults[what] if peak else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"qk {what} must be a non-negative token count (0: off), got {v!r}")
             if v and not peak:
