@@ -11,6 +11,9 @@ whose qk captures 8 + 248 queries. Per token, the attention of the last 8 captur
 quarter of the paged layers (qk's auto layers), minus a baseline: `cN` the 8 queries ending N tokens earlier
 (c0: none; c32 was qk's default), `minA-B` the element-wise minimum of several such baselines (A ... B
 tokens back); then qk's peak aggregate (spread 4, carry 16). c32 is checked against the core's own scorer.
+`--shape`: instead of the baselines, the scoring's other settings at contrast 64 (the default since b29604f):
+queries (8, 16, 24), layers (auto, twice auto, all paged), spread (4, 8) and carry (16, 32); `q8` (the
+default) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts).
 For each needle: the worst rank of its chunks among the unprotected ones (rank_of); a trial is kept under a
 variant when every needle ranks below the free slots. --analyse prints kept counts per task and variant, and
 the ranks summed (each capped at 50).
@@ -45,6 +48,36 @@ def variant_scores(rt, n_chunks: int, chunk_tokens: int, n_layers: int) -> dict:
     return {k: _core.chunk_peaks(x, chunk_of, n_chunks, 4, 16) for k, x in xs.items()}
 
 
+def shape_variants(auto_layers: int, n_paged: int) -> dict:
+    """name -> (n_queries, contrast, n_layers, spread, carry): qk's peak scoring around its defaults."""
+    two = min(2 * auto_layers, n_paged)
+    return {"q8": (8, 64, auto_layers, 4, 16), "q16": (16, 64, auto_layers, 4, 16), "q24": (24, 64, auto_layers, 4, 16),
+            f"q8 L{two}": (8, 64, two, 4, 16), f"q8 L{n_paged}": (8, 64, n_paged, 4, 16),
+            "q8 s8": (8, 64, auto_layers, 8, 16), "q8 k32": (8, 64, auto_layers, 4, 32),
+            "q16 k32": (16, 64, auto_layers, 4, 32), f"q16 L{two}": (16, 64, two, 4, 16)}
+
+
+def shape_scores(rt, n_chunks: int, chunk_tokens: int, variants: dict) -> dict:
+    import numpy as np
+    from kvflash import _core
+    nc, memo = rt.n_captured, {}
+
+    def att(first, count, layers):
+        if (first, count, layers) not in memo:
+            memo[first, count, layers] = rt.history_attention(q_first=first, q_count=count,
+                                                              n_layers=layers).astype(np.float64)
+        return memo[first, count, layers]
+    pos = None
+    out = {}
+    for name, (q, c, layers, spread, carry) in variants.items():
+        x = att(nc - q, q, layers) - att(nc - q - c, q, layers)
+        if pos is None:
+            pos = np.arange(len(x))
+            chunk_of = np.where(pos // chunk_tokens < n_chunks, pos // chunk_tokens, -1).astype(np.int32)
+        out[name] = _core.chunk_peaks(x, chunk_of, n_chunks, spread, carry)
+    return out
+
+
 def run(a) -> int:
     import numpy as np
     import kvflash
@@ -58,10 +91,11 @@ def run(a) -> int:
                         verbose=False)
     builder = RulerBuilder(s, a.seed, split=a.split)
     n_layers = _core.qk_auto_layers(s.runtime.n_paged_layers)
+    shapes = shape_variants(n_layers, s.runtime.n_paged_layers) if a.shape else None
     with open(a.out, "a") as f:
         for task in a.tasks.split(","):
             for hay in a.haystacks.split(","):
-                tr = builder.trial(task, hay, 0, a.context - 64)
+                tr = builder.trial(task, hay, a.trial, a.context - 64)
                 t0 = time.perf_counter()
                 s.reset()
                 s.prefill(tr.ids)
@@ -69,20 +103,25 @@ def run(a) -> int:
                 n_chunks = len(s.last_scores)
                 table = s.pager.chunk_table()
                 prot = table["protected"][:n_chunks]
-                scores = variant_scores(s.runtime, n_chunks, s.chunk_tokens, n_layers)
-                core = s.runtime.qk_peak_scores(n_chunks, n_queries=N_QUERIES, contrast=32, n_layers=n_layers)
-                if not np.allclose(core, scores["c32"], rtol=1e-4, atol=1e-6):
-                    raise SystemExit("the re-scoring differs from the core's c32: this tool is out of date")
+                if shapes:
+                    scores = shape_scores(s.runtime, n_chunks, s.chunk_tokens, shapes)
+                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_layers=n_layers), "q8"   # the defaults
+                else:
+                    scores = variant_scores(s.runtime, n_chunks, s.chunk_tokens, n_layers)
+                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_queries=N_QUERIES, contrast=32,
+                                                          n_layers=n_layers), "c32"
+                if not np.allclose(core, scores[mine], rtol=1e-4, atol=1e-6):
+                    raise SystemExit(f"the re-scoring differs from the core's {mine}: this tool is out of date")
                 free = int(s.pager.n_blocks - np.count_nonzero(table["protected"] & (table["block"] >= 0)))
                 per = [passkey_chunks(s, tr.ids, x) for x in tr.needles]
                 rec = {"model": a.model, "context": a.context, "pool": a.pool, "split": a.split, "task": task,
-                       "haystack": hay, "depth": tr.depth, "exact_prefill": a.exact_prefill,
+                       "haystack": hay, "trial": a.trial, "depth": tr.depth, "exact_prefill": a.exact_prefill,
                        "chunk_tokens": s.chunk_tokens, "free": free, "prefill_s": dt,
                        "ranks": {k: [max((rank_of(sc, prot, c) for c in cs), default=None) for cs in per]
                                  for k, sc in scores.items()}}
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
-                print(f"{task} {hay} {dt:.0f} s: c32 {rec['ranks']['c32']} c64 {rec['ranks']['c64']}",
+                print(f"{task} {hay} {dt:.0f} s: " + "; ".join(f"{k} {v}" for k, v in list(rec["ranks"].items())[:4]),
                       file=sys.stderr, flush=True)
     return 0
 
@@ -116,6 +155,9 @@ def main() -> int:
     ap.add_argument("--haystacks", default="code,chat,csv,wiki,manual,fiction,syslog,legal,email,config")
     ap.add_argument("--split", default="tuning", choices=("tuning", "reporting"))
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--trial", type=int, default=0, help="the ruler bench's trial index per task and haystack")
+    ap.add_argument("--shape", action="store_true", help="score queries / layers / spread / carry variants at "
+                                                         "contrast 64 instead of the contrast baselines")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="trials are appended to this JSONL file")
     a = ap.parse_args()
