@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "falls back to lru without one): drafter, lru, "
                         "qk (exact keys), qk-bound, qk-mean (key summaries)")
     p.add_argument("--policies", type=_str_list, default=None,
-                   help="policies compared by the needle routine (default lru,drafter,qk)")
+                   help="policies compared (needle routine default lru,drafter,qk); qk:q16:c64:s4:k16 is qk with its "
+                        "own settings, drafter:q16:c64:s4 the drafter with its own (ruler routine), each on the "
+                        "same prefill")
     p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
     p.add_argument("--drafter-layers", type=int, default=None,
                    help="evaluate only the drafter's first N layers (default: the policy's, a quarter of them)")
