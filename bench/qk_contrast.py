@@ -12,7 +12,7 @@ quarter of the paged layers (qk's auto layers), minus a baseline: `cN` the 8 que
 (c0: none; c32 was qk's default), `minA-B` the element-wise minimum of several such baselines (A ... B
 tokens back); then qk's peak aggregate (spread 4, carry 16). c32 is checked against the core's own scorer.
 `--shape`: instead of the baselines, the scoring's other settings at contrast 64 (the default since b29604f):
-queries (8, 16, 24), layers (auto, twice auto, all paged), spread (4, 8) and carry (16, 32); `q8` (the
+queries (8, 16, 24), layers (auto, twice auto, all paged), spread (2-16) and carry (0-32); `q8` (the
 default) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts).
 For each needle: the worst rank of its chunks among the unprotected ones (rank_of); a trial is kept under a
 variant when every needle ranks below the free slots. --analyse prints kept counts per task and variant, and
@@ -54,7 +54,11 @@ def shape_variants(auto_layers: int, n_paged: int) -> dict:
     return {"q8": (8, 64, auto_layers, 4, 16), "q16": (16, 64, auto_layers, 4, 16), "q24": (24, 64, auto_layers, 4, 16),
             f"q8 L{two}": (8, 64, two, 4, 16), f"q8 L{n_paged}": (8, 64, n_paged, 4, 16),
             "q8 s8": (8, 64, auto_layers, 8, 16), "q8 k32": (8, 64, auto_layers, 4, 32),
-            "q16 k32": (16, 64, auto_layers, 4, 32), f"q16 L{two}": (16, 64, two, 4, 16)}
+            "q16 k32": (16, 64, auto_layers, 4, 32), f"q16 L{two}": (16, 64, two, 4, 16),
+            "q8 s2": (8, 64, auto_layers, 2, 16), "q8 s6": (8, 64, auto_layers, 6, 16),
+            "q8 s12": (8, 64, auto_layers, 12, 16), "q8 s16": (8, 64, auto_layers, 16, 16),
+            "q8 s8 k0": (8, 64, auto_layers, 8, 0), "q8 s8 k8": (8, 64, auto_layers, 8, 8),
+            "q16 s8": (16, 64, auto_layers, 8, 16), "q8 s8 c32": (8, 32, auto_layers, 8, 16)}
 
 
 def shape_scores(rt, n_chunks: int, chunk_tokens: int, variants: dict) -> dict:
