@@ -43,9 +43,15 @@ def variant_scores(rt, n_chunks: int, chunk_tokens: int, n_layers: int) -> dict:
     base = {o: att(nc - N_QUERIES - o) for o in OFFSETS}
     xs = {"c0": last} | {f"c{o}": last - base[o] for o in OFFSETS}
     xs |= {name: last - np.min([base[o] for o in offs], axis=0) for name, offs in MINS.items()}
-    pos = np.arange(len(last))
-    chunk_of = np.where(pos // chunk_tokens < n_chunks, pos // chunk_tokens, -1).astype(np.int32)
+    chunk_of = _chunk_of(len(last), chunk_tokens, n_chunks)
     return {k: _core.chunk_peaks(x, chunk_of, n_chunks, 4, 16) for k, x in xs.items()}
+
+
+def _chunk_of(n_tokens: int, chunk_tokens: int, n_chunks: int):
+    """Each history position's chunk (-1 past the scored chunks), as chunk_peaks takes it."""
+    import numpy as np
+    c = np.arange(n_tokens) // chunk_tokens
+    return np.where(c < n_chunks, c, -1).astype(np.int32)
 
 
 def shape_variants(auto_layers: int, n_paged: int) -> dict:
@@ -71,15 +77,11 @@ def shape_scores(rt, n_chunks: int, chunk_tokens: int, variants: dict) -> dict:
             memo[first, count, layers] = rt.history_attention(q_first=first, q_count=count,
                                                               n_layers=layers).astype(np.float64)
         return memo[first, count, layers]
-    pos = None
-    out = {}
-    for name, (q, c, layers, spread, carry) in variants.items():
-        x = att(nc - q, q, layers) - att(nc - q - c, q, layers)
-        if pos is None:
-            pos = np.arange(len(x))
-            chunk_of = np.where(pos // chunk_tokens < n_chunks, pos // chunk_tokens, -1).astype(np.int32)
-        out[name] = _core.chunk_peaks(x, chunk_of, n_chunks, spread, carry)
-    return out
+    xs = {name: att(nc - q, q, layers) - att(nc - q - c, q, layers)
+          for name, (q, c, layers, _, _) in variants.items()}
+    chunk_of = _chunk_of(len(next(iter(xs.values()))), chunk_tokens, n_chunks)
+    return {name: _core.chunk_peaks(xs[name], chunk_of, n_chunks, spread, carry)
+            for name, (_, _, _, spread, carry) in variants.items()}
 
 
 def run(a) -> int:
