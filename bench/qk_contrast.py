@@ -13,7 +13,7 @@ quarter of the paged layers (qk's auto layers), minus a baseline: `cN` the 8 que
 tokens back); then qk's peak aggregate (spread 4, carry 16). c32 is checked against the core's own scorer.
 `--shape`: instead of the baselines, the scoring's other settings at contrast 64 (the default since b29604f):
 queries (8, 16, 24), layers (auto, twice auto, all paged), spread (2-16) and carry (0-32); `q8` (the
-default) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts).
+default until spread 8 replaced spread 4; `q8 s8` is the default now) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts).
 For each needle: the worst rank of its chunks among the unprotected ones (rank_of); a trial is kept under a
 variant when every needle ranks below the free slots. --analyse prints kept counts per task and variant, and
 the ranks summed (each capped at 50).
@@ -111,10 +111,10 @@ def run(a) -> int:
                 prot = table["protected"][:n_chunks]
                 if shapes:
                     scores = shape_scores(s.runtime, n_chunks, s.chunk_tokens, shapes)
-                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_layers=n_layers), "q8"   # the defaults
+                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_layers=n_layers, spread=4), "q8"   # spread 4: the old default
                 else:
                     scores = variant_scores(s.runtime, n_chunks, s.chunk_tokens, n_layers)
-                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_queries=N_QUERIES, contrast=32,
+                    core, mine = s.runtime.qk_peak_scores(n_chunks, n_queries=N_QUERIES, contrast=32, spread=4,
                                                           n_layers=n_layers), "c32"
                 if not np.allclose(core, scores[mine], rtol=1e-4, atol=1e-6):
                     raise SystemExit(f"the re-scoring differs from the core's {mine}: this tool is out of date")

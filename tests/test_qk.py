@@ -263,7 +263,7 @@ def test_chunk_peaks_carry_ranks_the_value_chunk_right_behind_its_key():
 def test_qk_defaults_are_peak_scoring_over_early_layers():
     p = QKPolicy()
     assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.carry, p.layers, p.n_capture) == (
-        "peak", 8, 64, 4, 16, "auto", 72)
+        "peak", 8, 64, 8, 16, "auto", 72)
     assert [p.n_layers(n) for n in (3, 8, 30, 64)] == [3, 8, 8, 16]
     assert QKPolicy(layers=None).n_layers(30) == 0 and QKPolicy(layers=12).n_layers(6) == 6
     c = QKPolicy(aggregate="chunk")

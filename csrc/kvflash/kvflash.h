@@ -85,7 +85,7 @@ struct kvflash_params {
     uint64_t seed;              /* sampler seed (0) */
     /* -- since API version 3: qk scores tokens, then each chunk takes its peak token -- */
     int32_t qk_contrast;        /* minus the attention of the queries this many tokens earlier (64; 0: off) */
-    int32_t qk_spread;          /* each token takes the peak of this many tokens either side (4) */
+    int32_t qk_spread;          /* each token takes the peak of this many tokens either side (8) */
     int32_t qk_layers;          /* the first N paged layers score (-1: a quarter, at least 8; 0: all) */
     /* -- since API version 4 -- */
     int64_t max_host_bytes;     /* cap on the host store of paged-out chunks (0: none); a call that would

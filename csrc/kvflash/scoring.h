@@ -105,7 +105,9 @@ struct PeakScoring {
     // question that names several keys (32 fell on the first key's mention and cancelled its needle's peak:
     // bench/results/tuning/qk-contrast-gemma3-8k-512)
     int32_t contrast = 64;
-    int32_t spread = 4;      // chunk_peaks' spread
+    // chunk_peaks' spread; 8 (was 4): on the tuning splits it kept every multi-query needle (Gemma-3 10/10 vs 8/10),
+    // multi-value 9/10 vs 3/10, SmolLM2's single needles 9/10 vs 8/10 (bench/results/tuning/qk-shape-*)
+    int32_t spread = 8;
     int32_t n_layers = 0;    // the first n_layers paged layers only (0: all)
     int32_t carry = 16;      // chunk_peaks' carry (0: none beyond spread); 16 chosen on the tuning splits
 };
@@ -140,7 +142,7 @@ struct QkScoring {
     QkAggregate aggregate = QkAggregate::Peak;
     int32_t n_queries = 8;      // keys: the latest captured queries that score (summaries: 1)
     int32_t smooth_width = 5;   // "token"'s moving average (recorded whatever the aggregate)
-    int32_t contrast = 64, spread = 4, carry = 16;   // "peak" only (0 for the others); PeakScoring's
+    int32_t contrast = 64, spread = 8, carry = 16;   // "peak" only (0 for the others); PeakScoring's
     int32_t n_layers = -1;      // keys: the first N paged layers (-1: qk_auto_layers, 0: all)
 
     // The defaults of a mode and aggregate ("" : the mode's own: peak for keys), as QKPolicy's.

@@ -149,7 +149,7 @@ QkScoring qk_from(const Value &q) {
         return v.is_null() ? (peak ? def : 0) : i32(v);
     };
     s.contrast = resolve("contrast", 32);   // a file without the field: written when 32 was the default
-    s.spread = resolve("spread", 4);
+    s.spread = resolve("spread", 4);        // likewise: 4 was the default then (8 now)
     s.carry = resolve("carry", 16);
     s.smooth_width = i32(*q.find("smooth_width"));
     const Value &layers = *q.find("layers");
