@@ -140,9 +140,10 @@ struct QkScoring {
     // keys only: "peak" (qk_peak_scores), "chunk" (attention mass per chunk), "token" (token
     // scores smoothed by a centred moving average of smooth_width, then the mean per chunk)
     QkAggregate aggregate = QkAggregate::Peak;
-    int32_t n_queries = 8;      // keys: the latest captured queries that score (summaries: 1)
+    int32_t n_queries = PeakScoring{}.n_queries;   // keys: the latest captured queries that score (summaries: 1)
     int32_t smooth_width = 5;   // "token"'s moving average (recorded whatever the aggregate)
-    int32_t contrast = 64, spread = 8, carry = 16;   // "peak" only (0 for the others); PeakScoring's
+    // "peak" only (0 for the others): PeakScoring's, so the defaults live in one place
+    int32_t contrast = PeakScoring{}.contrast, spread = PeakScoring{}.spread, carry = PeakScoring{}.carry;
     int32_t n_layers = -1;      // keys: the first N paged layers (-1: qk_auto_layers, 0: all)
 
     // The defaults of a mode and aggregate ("" : the mode's own: peak for keys), as QKPolicy's.
