@@ -171,8 +171,8 @@ def test_prefill_rescore_from_the_command_line(small, tmp_path, capsys):
 
 
 def test_exact_prefill_flag_defaults_to_auto():
-    """--kvflash-exact-prefill: 'auto' when absent (Session's 'auto': on where the model's paged layers are few),
-    'on' as a bare flag, 'on' / 'off' / 'auto' spelled out; anything else is refused by the parser."""
+    """--kvflash-exact-prefill: 'auto' when absent (Session's 'auto': up to the core's cap, longer where the
+    model's paged layers are few), 'on' as a bare flag, 'on' / 'off' / 'auto' spelled out; anything else is refused by the parser."""
     import argparse
 
     from kvflash._args import exact_prefill_arg

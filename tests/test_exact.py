@@ -482,14 +482,15 @@ def test_exact_prefill_until_caps_the_exact_read(tiny, arch):
 
 
 def test_exact_prefill_auto_follows_the_models_paged_layers(tiny, tmp_path):
-    """'auto' turns exact prefill on, capped at the core's position, where the model's paged layers are at
-    most a quarter of its layers (gemma3-12: 2 of 12), and leaves it off where every layer is paged (llama);
-    a snapshot keeps the cap; an explicit cap wins."""
+    """'auto' turns exact prefill on, capped at the core's position: 16384 where the model's paged layers are
+    at most a quarter of its layers (gemma3-12: 2 of 12), 4096 where every layer is paged (llama); a snapshot
+    keeps the cap; an explicit cap wins."""
     g = _session(tiny("gemma3-12"), False, policy="qk", exact_prefill="auto")
     assert g.model.auto_exact_prefill_until == 16384
     assert g.exact_prefill and g.exact_prefill_until == 16384 and "up to position 16384" in g.banner
     llama = _session(tiny("llama"), False, policy="qk", exact_prefill="auto")
-    assert llama.model.auto_exact_prefill_until == 0 and not llama.exact_prefill and llama.exact_prefill_until == 0
+    assert llama.model.auto_exact_prefill_until == 4096
+    assert llama.exact_prefill and llama.exact_prefill_until == 4096 and "up to position 4096" in llama.banner
     assert _session(tiny("gemma3-12"), False, exact_prefill="auto", exact_prefill_until=256).exact_prefill_until == 256
     g.prefill(_ids(300, seed=8).tolist())
     f = tmp_path / "g.kvfs"

@@ -228,11 +228,12 @@ def test_exact_greedy_is_the_full_cache(models, arch):
 
 
 def test_exact_prefill_auto_on_a_hybrid(models):
-    """exact_prefill='auto' is on for the hybrids (one paged layer in four) and off for qwen3moe (every layer
-    paged); on, a prompt that overflows the pool leaves the full cache's logits, recurrent layers and all."""
+    """exact_prefill='auto' reads prompts exactly up to position 16384 on the hybrids (one paged layer in four)
+    and up to 4096 on qwen3moe (every layer paged); a prompt that overflows the pool leaves the full cache's
+    logits, recurrent layers and all."""
     for arch in ARCHS:
         s = _session(models[arch]["path"], 256, policy="qk", exact_prefill="auto")
-        assert s.exact_prefill == (arch in HYBRIDS) and s.exact_prefill_until == (16384 if arch in HYBRIDS else 0)
+        assert s.exact_prefill and s.exact_prefill_until == (16384 if arch in HYBRIDS else 4096)
     path = models["qwen35"]["path"]
     prompt = _ids(900, seed=9).tolist()
     full, ep = _session(path), _session(path, 256, policy="qk", exact_prefill="auto")

@@ -135,6 +135,31 @@ def test_drafter_probe_next_to_model(tiny, tmp_path):
     assert "policy=drafter" in s.banner
 
 
+def test_the_default_policy_is_qk_even_beside_a_drafter(tiny, tmp_path):
+    """qk is the default of Session, the CLI and the server (it ranked needles better than the drafter on the
+    reporting corpus, bridged and same-vocabulary): a drafter next to the model is used when asked for by name
+    only."""
+    import argparse
+    import shutil
+
+    from kvflash import cli
+    d = tmp_path / "m"
+    (d / "drafter").mkdir(parents=True)
+    shutil.copy(tiny, d / "target.gguf")
+    shutil.copy(tiny, d / "drafter" / "small.gguf")
+    s = kvflash.Session(str(d / "target.gguf"), max_ctx=1024, kvflash=512, threads=1, verbose=False)
+    assert type(s.policy) is QKPolicy and "policy=qk" in s.banner and "fallback" not in s.stats["policy"]
+    p = argparse.ArgumentParser()
+    cli._session_args(p)
+    a = p.parse_args(["-m", str(d / "target.gguf"), "-t", "1", "--max-ctx", "1024", "--kvflash", "512",
+                      "--no-progress"])
+    assert a.kvflash_policy == "qk"
+    assert type(cli._make_session(a).policy) is QKPolicy
+    a = p.parse_args(["-m", str(d / "target.gguf"), "-t", "1", "--max-ctx", "1024", "--kvflash", "512",
+                      "--no-progress", "--kvflash-policy", "drafter"])
+    assert isinstance(cli._make_session(a).policy, DrafterPolicy)
+
+
 def test_scoring_runtime_evaluates_only_its_first_layers(tmp_path):
     path = str(tmp_path / "four.gguf")
     write_tiny_model(path, "llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,

@@ -97,9 +97,9 @@ struct kvflash_params {
     /* -- since API version 8 -- */
     int32_t exact;              /* 1: exact mode, the full cache's tokens from the paged session (0) */
     int32_t exact_prefill;      /* 1: prompts attend the whole context, decode reads the pool (0: off, the
-                                   default); 2 (since API version 12): auto, on where the model's paged layers
-                                   are at most a quarter of its layers (CPU backend) up to position 16384,
-                                   pieces past it read over the pool */
+                                   default); 2 (since API version 12): auto, on the CPU backend up to position
+                                   16384 where the model's paged layers are at most a quarter of its layers, up
+                                   to 4096 elsewhere, pieces past it read over the pool */
     int32_t exact_draft;        /* exact mode: drafts per round, 0 .. 16 (-1: adaptive, the default) */
     /* -- since API version 9 -- */
     const char *qk_aggregate;   /* "qk": token scores to chunk scores: "peak" (default: qk_contrast, qk_spread,

@@ -36,7 +36,8 @@ void SessionConfig::validate() const {
 int64_t auto_exact_prefill_until(const Model &model) {
     if (model.device().name().rfind("cpu", 0) != 0 || !model.remote_layers().empty()) return 0;
     const size_t paged = model.global_layers().size();
-    return paged > 0 && paged * 4 <= size_t(model.hparams().n_layer) ? 16384 : 0;
+    if (paged == 0) return 0;
+    return paged * 4 <= size_t(model.hparams().n_layer) ? 16384 : 4096;
 }
 
 // ------------------------------------------------------------------ SpecStats

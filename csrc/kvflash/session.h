@@ -45,13 +45,16 @@ enum class Scorer {
     External,   // the client's callback (a policy written in Python, scores from a C program)
 };
 
-// Exact prefill by default where it is measured to cost little: on the CPU backend in one process, a
-// model whose paged (global-attention) layers are at most a quarter of its layers (sliding-window and
-// recurrent hybrids) reads prompts exactly up to position 16384; returns that cap, or 0 where exact
-// prefill stays off (a model whose every layer is paged pays about the full cache's prefill: 1.7x the
-// pooled one at 8K for SmolLM2).  Measured: bench/results/prefill-exact-*-gemma3-16k (Gemma-3 270M,
-// 3 of 18 layers paged: 1.3x the pooled prefill at 16K, multi-key retrieval at 1/16 from 0.40 to 1.00
-// of the full cache's on reporting data).
+// Exact prefill by default where it is measured to pay: on the CPU backend in one process, a model whose
+// paged (global-attention) layers are at most a quarter of its layers (sliding-window and recurrent
+// hybrids) reads prompts exactly up to position 16384, any other up to 4096; returns that cap, or 0 where
+// exact prefill stays off (GPU backends, RPC splits, no paged layer).  Measured: Gemma-3 270M (3 of 18
+// layers paged) 1.3x the pooled prefill at 16K, multi-key retrieval at 1/16 from 0.40 to 1.00 of the full
+// cache's (bench/results/prefill-exact-*-gemma3-16k); SmolLM2 (every layer paged) at 4K, 1/16, single
+// needles on the corpus from 20 to 30 of 60 (full cache 26) for 1.31x the pooled prefill
+// (bench/results/needle-smollm2-4k-256-corpus-reporting-exact, prefill-exact-smollm2-4k); past 4K such a
+// model pays the full cache's prefill (1.72x the pooled one at 8K: prefill-exact-smollm2-8k) and its gain
+// there is not measured.
 int64_t auto_exact_prefill_until(const Model &model);
 
 struct SessionConfig {

@@ -14,14 +14,17 @@ def _session_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
         p.add_argument("-m", "--model", default=None, help="model name (see `kvflash models`) or GGUF path")
     p.add_argument("--max-ctx", type=int, default=None, help="logical context (default: the model's trained one)")
     p.add_argument("--kvflash", default="auto", help="pool size in tokens, 'auto', or 'off' for the full cache")
-    p.add_argument("--kvflash-policy", default="drafter", help="drafter | lru | qk | qk-bound | qk-mean")
+    p.add_argument("--kvflash-policy", default="qk",
+                   help="qk (the default: the model's own queries score chunks) | drafter (a second GGUF scores them: "
+                   "--prefill-drafter, else one found beside the model, else qk) | lru | qk-bound | qk-mean")
     p.add_argument("--kvflash-tau", type=int, default=64, help="decoded tokens between rescores (minimum)")
     p.add_argument("--kvflash-exact", action="store_true", help="exact mode: draft over the pool, verify each "
                    "round over the whole context (pool and host store), so the output is the full cache's (CPU)")
     p.add_argument("--kvflash-exact-prefill", nargs="?", const="on", default="auto", choices=["on", "off", "auto"],
                    help="prompts attend the whole context (pool and host store) as the full cache's prefill does, so "
-                   "every chunk's K/V are exact; decode reads the pool (CPU). auto (the default): on where the model's "
-                   "paged layers are at most a quarter of its layers, up to position 16384; the flag alone: on")
+                   "every chunk's K/V are exact; decode reads the pool (CPU). auto (the default): on up to position 16384 "
+                   "where the model's paged layers are at most a quarter of its layers, up to 4096 elsewhere; the "
+                   "flag alone: on")
     p.add_argument("--kvflash-chunk-tokens", type=chunk_tokens_arg, default="auto", metavar="N|auto",
                    help="paging granularity in tokens; auto (the default): the largest of 64, 32, 16 that leaves at "
                    "least 24 chunks of the pool free of the sink and the tail window (a 512-token pool: 16, 1024: "

@@ -43,7 +43,7 @@ class Session:
     """
 
     def __init__(self, model: Union[str, os.PathLike, "_core.Model"] = DEFAULT_MODEL, *, max_ctx: Optional[int] = None,
-                 kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "drafter",
+                 kvflash: Union[str, int, None] = "auto", policy: Union[str, Policy] = "qk",
                  drafter: Union[str, os.PathLike, None] = None, tau: int = 64, kv_type: str = "q8_0",
                  threads: Optional[int] = None, seed: Optional[int] = None, chunk_tokens: Union[int, str] = 64,
                  sink_chunks: int = 1, tail_window_chunks: int = 4, host: str = "ram",

@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="q8_0", help="KV cache type (default q8_0)")
     p.add_argument("--pool", type=_int_list, help="kvflash pool size(s) in tokens, comma list (e.g. 512,2048)")
     p.add_argument("--policy", default=None,
-                   help="kvflash policy for decode/prefill/ab (default: the preset's; quick: qk, else drafter, which "
-                        "falls back to lru without one): drafter, lru, "
-                        "qk (exact keys), qk-bound, qk-mean (key summaries)")
+                   help="kvflash policy for decode/prefill/ab (default: qk, as the CLI's): drafter (--drafter, "
+                        "else one found beside the model, else qk), lru, qk (exact keys), qk-bound, qk-mean (key "
+                        "summaries)")
     p.add_argument("--policies", type=_str_list, default=None,
                    help="policies compared (needle routine default lru,drafter,qk); qk:q16:c64:s4:k16 is qk with its "
                         "own settings, drafter:q16:c64:s4 the drafter with its own (ruler routine), each on the "

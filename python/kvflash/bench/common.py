@@ -27,7 +27,7 @@ class BenchConfig:
     threads: Optional[int] = None
     kv_type: str = "q8_0"
     pools: list = dataclasses.field(default_factory=lambda: [512])
-    policy: str = "drafter"            # kvflash policy for decode/prefill/ab
+    policy: str = "qk"                 # kvflash policy for decode/prefill/ab (the CLI's default)
     policies: list = dataclasses.field(default_factory=lambda: ["lru", "drafter", "qk"])  # needle columns
     drafter: Optional[str] = None
     drafter_layers: Optional[int] = None   # None: the policy's default
