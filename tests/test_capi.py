@@ -476,6 +476,7 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         d = QKPolicy()
         assert (p.qk_queries, p.qk_contrast, p.qk_spread) == (d.n_queries, d.contrast, d.spread), \
             (p.qk_queries, p.qk_contrast, p.qk_spread)
+        assert p.policy == b"qk", p.policy   # Session's default (API version 14)
         print("MAX", lib.kvflash_max_context())
         m = lib.kvflash_model_load({str(tiny).encode()!r}, 1, err, 512)
         assert m, err.value
@@ -519,6 +520,19 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("V2_OK", v2 is None)
         old = refused(struct_size=Params.policy.offset)  # a caller built against API version 1
         print("OLD_OK", old is None)
+        # ... keeps the recency it had (no rescore once a prompt outgrows the pool); the default scores
+        def rescores(**kw):
+            q = lib.kvflash_default_params()
+            for k, v in kw.items():
+                setattr(q, k, v)
+            s = lib.kvflash_session_new(m, ctypes.byref(q), err, 512)
+            assert s, err.value
+            ids = (ctypes.c_int32 * 700)(*[1 + (i * 7) % 250 for i in range(700)])
+            assert lib.kvflash_eval(s, ids, 700, None) == 0, lib.kvflash_last_error(s)
+            n = lib.kvflash_get_stats(s).rescores
+            lib.kvflash_session_free(s)
+            return n
+        print("V1_RESCORES", rescores(pool_tokens=512, struct_size=Params.policy.offset), rescores(pool_tokens=512))
         lib.kvflash_model_free(m)
         print("LOADFAIL", lib.kvflash_model_load(b"/nonexistent.gguf", 1, err, 512), err.value.decode())
     """)
@@ -527,6 +541,8 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert f"MAX {_core.MAX_CONTEXT}" in out
     assert re.search(rf"^HUGE .*{GUARD_MSG}", out, re.M) and re.search(rf"^HUGE_FULL .*{GUARD_MSG}", out, re.M), out
     assert re.search(r'^POLICY .*policy must be "lru" or "qk"', out, re.M), out
+    v1, default = map(int, re.search(r"^V1_RESCORES (\d+) (\d+)$", out, re.M).groups())
+    assert v1 == 0 and default > 0, out
     assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out

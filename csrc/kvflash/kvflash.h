@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 13
+#define KVFLASH_API_VERSION 14
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -75,7 +75,9 @@ struct kvflash_params {
     int32_t tail_window_chunks; /* chunks before the append head never evicted (4) */
     int32_t ubatch;             /* prefill ubatch while the prompt fits the pool (512) */
     /* -- since API version 2 -- */
-    const char *policy;         /* "lru" (default: recency) or "qk" (the model's own queries score chunks);
+    const char *policy;         /* "qk" (the model's own queries score chunks; the default since API version
+                                   14, as Python's Session: it was "lru", which a caller built against API
+                                   version 1, without this field, still gets) or "lru" (recency);
                                    since API version 9 also "qk-bound" / "qk-mean" (the last query against
                                    the sealed chunks' key summaries; the qk_* fields but qk_smooth_width unused)
                                    and "drafter" (a second model scores them: params.drafter) */

@@ -129,6 +129,8 @@ kvflash_params read_params(const kvflash_params *in) {
         throw std::invalid_argument("params.struct_size is " + std::to_string(in->struct_size) +
                                     ": start from kvflash_default_params(), which sets it");
     std::memcpy(&p, in, std::min(in->struct_size, sizeof p));
+    // a caller built against API version 1 has no policy field: it keeps the recency it had then
+    if (in->struct_size < offsetof(kvflash_params, policy) + sizeof p.policy) p.policy = "lru";
     p.struct_size = sizeof p;
     return p;
 }
@@ -165,7 +167,7 @@ kvflash_params kvflash_default_params(void) {
     p.sink_chunks = 1;
     p.tail_window_chunks = 4;
     p.ubatch = 512;
-    p.policy = "lru";
+    p.policy = "qk";   // Session's default since API version 14 (was "lru"; see read_params)
     p.tau = 64;
     const kvflash::PeakScoring qk;   // the core's qk defaults (QKPolicy() in Python reads the same)
     p.qk_queries = qk.n_queries;
