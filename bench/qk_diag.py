@@ -42,7 +42,9 @@ def dump(a) -> None:
     pol = QKPolicy()                       # the default qk: the prefill selects as a user's session does
     nq = 8
     pol.n_capture = max(WINDOWS) + nq      # keep more queries than it reads (its scoring is unchanged)
-    s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy=pol, threads=a.threads)
+    ct = a.chunk_tokens if a.chunk_tokens == "auto" else int(a.chunk_tokens)
+    s = kvflash.Session(a.model, max_ctx=a.context, kvflash=a.pool, policy=pol, threads=a.threads,
+                        chunk_tokens=ct, prefill_piece=a.prefill_piece, exact_prefill=a.exact_prefill)
     C = s.chunk_tokens
     variants = json.loads(a.variants)
     depths = [int(x) for x in a.depths.split(",")]
@@ -171,6 +173,9 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=12)
     ap.add_argument("--ask", choices=["chat", "raw"], default="chat")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--chunk-tokens", default="auto", help="the session's chunk_tokens (the bench's --chunk-tokens)")
+    ap.add_argument("--prefill-piece", type=int, default=None, help="the session's prefill_piece")
+    ap.add_argument("--exact-prefill", action="store_true", help="read the prompt exactly (Session(exact_prefill=True))")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default=json.dumps(DEFAULT_VARIANTS))
     ap.add_argument("--out", default="qk-diag")

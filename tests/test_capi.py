@@ -409,7 +409,7 @@ def test_gguf_context_length_above_the_limit_is_clamped(tmp_path):
 
 
 class Params(ctypes.Structure):
-    """struct kvflash_params as kvflash.h declares it (API version 11; 12 added a value, not a field)."""
+    """struct kvflash_params as kvflash.h declares it (API version 15; 12 and 14 changed values, not fields)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_ctx", ctypes.c_int64), ("pool_tokens", ctypes.c_int32),
                 ("kv_type", ctypes.c_char_p), ("chunk_tokens", ctypes.c_int32), ("sink_chunks", ctypes.c_int32),
                 ("tail_window_chunks", ctypes.c_int32), ("ubatch", ctypes.c_int32), ("policy", ctypes.c_char_p),
@@ -419,7 +419,7 @@ class Params(ctypes.Structure):
                 ("exact", ctypes.c_int32), ("exact_prefill", ctypes.c_int32), ("exact_draft", ctypes.c_int32),
                 ("qk_aggregate", ctypes.c_char_p), ("qk_smooth_width", ctypes.c_int32), ("drafter", ctypes.c_void_p),
                 ("drafter_layers", ctypes.c_int32), ("drafter_pool", ctypes.c_int32), ("drafter_queries", ctypes.c_int32),
-                ("prefill_rescore", ctypes.c_int32), ("prefill_reread", ctypes.c_int32)]
+                ("prefill_rescore", ctypes.c_int32), ("prefill_reread", ctypes.c_int32), ("qk_windows", ctypes.c_int32)]
 
 
 class Stats(ctypes.Structure):
@@ -498,6 +498,9 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         print("QKCA", refused(policy=b"qk", pool_tokens=512, qk_carry=-1))
         print("PRE", refused(policy=b"qk", pool_tokens=512, prefill_rescore=-1))
         print("RRD", refused(policy=b"qk", pool_tokens=512, prefill_reread=2))
+        print("QKW", refused(policy=b"qk", pool_tokens=512, qk_windows=0), refused(policy=b"qk", pool_tokens=512,
+                                                                                    qk_windows=17))
+        print("QKW_OK", refused(policy=b"qk", pool_tokens=512, qk_windows=3) is None)
         print("EPF", refused(policy=b"qk", pool_tokens=512, exact_prefill=3))
         print("EPA_OK", refused(policy=b"qk", pool_tokens=512, exact_prefill=2) is None)  # auto (API version 12)
         print("CHK", refused(pool_tokens=512, chunk_tokens=-1))
@@ -510,6 +513,8 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
         assert s and lib.kvflash_eval(s, ids, 100, None) == 0
         print("CHA_CHUNKS", lib.kvflash_n_chunks(s))   # ceil(100 / 16)
         lib.kvflash_session_free(s)
+        v14 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.qk_windows.offset)  # API version 14
+        print("V14_OK", v14 is None, lib.kvflash_default_params().qk_windows == {_core.QK_PEAK_DEFAULTS['windows']})
         v10 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_reread.offset)  # API version 10
         print("V10_OK", v10 is None, lib.kvflash_default_params().prefill_reread)
         v9 = refused(policy=b"qk", pool_tokens=512, struct_size=Params.prefill_rescore.offset)  # API version 9
@@ -546,11 +551,12 @@ def test_c_api_refuses_huge_max_ctx_and_bad_params(tiny):
     assert re.search(r'^DRAFTERLESS .*"drafter" needs params.drafter', out, re.M), out
     assert re.search(r"^SIZE .*struct_size", out, re.M), out
     assert "OLD_OK True" in out and "V2_OK True" in out and "V4_OK True 16" in out and "V9_OK True 0" in out
-    assert "V10_OK True 0" in out and "EPA_OK True" in out
+    assert "V10_OK True 0" in out and "EPA_OK True" in out and "V14_OK True True" in out and "QKW_OK True" in out
     assert "CHA_OK True True" in out and "CHA_CHUNKS 7" in out, out
     assert re.search(r"^CHK .*params\.chunk_tokens must be 0 \(auto", out, re.M), out
     for tag, field in (("QKC", "qk_contrast"), ("QKS", "qk_spread"), ("QKL", "qk_layers"), ("QKCA", "qk_carry"),
-                       ("PRE", "prefill_rescore"), ("RRD", "prefill_reread"), ("EPF", "exact_prefill")):
+                       ("PRE", "prefill_rescore"), ("RRD", "prefill_reread"), ("EPF", "exact_prefill"),
+                       ("QKW", "qk_windows")):
         assert re.search(rf"^{tag} .*params\.{field} must be", out, re.M), out
     assert re.search(r"^LOADFAIL None .+", out, re.M), out
 

@@ -284,6 +284,9 @@ APP_CASES = {
     "qk-mode": (lambda app: app.update(policy={"name": "qk", "qk": dict(
         mode="nonsense", n_queries=8, smooth_width=5, aggregate="peak", contrast=32, spread=4, layers="auto",
         carry=16)}), r"the policy's settings: qk mode must be one of"),
+    "qk-windows": (lambda app: app.update(policy={"name": "qk", "qk": dict(
+        mode="keys", n_queries=8, smooth_width=5, aggregate="peak", contrast=64, spread=8, layers="auto",
+        carry=16, windows=0)}), r"policy.qk.windows = 0"),
     "policy-nameless": (lambda app: app.update(policy={"lru": True}), r"policy has no name"),
     "lru-extra": (lambda app: app["policy"].update(extra=1), r"policy has unknown field\(s\) 'extra'"),
     "scores-type": (lambda app: app["state"].update(last_scores={"a": 1}), r"state.last_scores = \{'a': 1\}"),
@@ -322,6 +325,22 @@ def test_the_session_state_is_checked_before_anything_is_built(models, saved, tm
     with pytest.raises(kvflash.SnapshotError, match=match):
         Counting.load(p, models["llama"], threads=1)
     assert built == []      # refused before a session (its pool, its runtime) was made
+
+
+def test_a_qk_snapshot_from_before_windows_scores_one_window(models, tmp_path):
+    # a file written before API version 15 has no policy.qk.windows: it scored with one window, and loads so
+    # (the core's reader, session_file.cpp, resolves it the same way for the C API)
+    s = _session(models["llama"], policy="qk")
+    s.prefill(_ids(700, 5))
+    p = tmp_path / "qk.kvsnap"
+    s.save(p)
+    data = p.read_bytes()
+    app = _app(data)
+    assert app["policy"]["qk"]["windows"] == s.policy.windows
+    del app["policy"]["qk"]["windows"]
+    old = _load(_write(tmp_path, "old.kvsnap", _with_app(data, app)), models["llama"])
+    assert old.policy.name == "qk" and old.policy.windows == 1 and old.tokens == s.tokens
+    assert _load(p, models["llama"]).policy.windows == s.policy.windows
 
 
 def test_a_restore_refuses_a_malformed_session_state_and_changes_nothing(models, saved, tmp_path):

@@ -31,7 +31,7 @@ void bind_scoring(RuntimeClass &cls) {
                  return out;
              }, py::arg("n_chunks"), py::arg("qk"), py::kw_only(), py::arg("n_threads") = 0,
              "The chunk scores the core's qk scorer gives chunks [0, n_chunks) with the qk settings (a dict: mode, "
-             "aggregate, n_queries, contrast, spread, n_layers, carry, smooth_width): what a session configured "
+             "aggregate, n_queries, contrast, spread, n_layers, carry, windows, smooth_width): what a session configured "
              "with scorer='qk' ranks by (scoring.h qk_scores).")
         .def("qk_scores", [](PyRuntime &r, const std::string &mode) {
                  InUse use(&r.busy);
@@ -105,10 +105,10 @@ void bind_scoring(RuntimeClass &cls) {
         .def_property_readonly("n_paged_layers", [](PyRuntime &r) { return r.rt->pool().n_layers(); },
                                "Layers whose K/V the pool holds (gemma3: its global layers only).")
         .def("qk_peak_scores", [](PyRuntime &r, int32_t n_chunks, int32_t n_queries, int32_t contrast, int32_t spread,
-                                  int32_t n_layers, int32_t n_threads, int32_t carry) {
+                                  int32_t n_layers, int32_t n_threads, int32_t carry, int32_t windows) {
                  InUse use(&r.busy);
                  if (r.rt->n_captured() == 0) throw std::invalid_argument("qk_peak_scores: no query captured yet");
-                 const PeakScoring p{n_queries, contrast, spread, n_layers, carry};
+                 const PeakScoring p{n_queries, contrast, spread, n_layers, carry, windows};
                  py::array_t<float> out(static_cast<py::ssize_t>(std::max(n_chunks, 0)));
                  if (n_threads <= 0) n_threads = r.model->n_threads();
                  {
@@ -119,9 +119,11 @@ void bind_scoring(RuntimeClass &cls) {
              }, py::arg("n_chunks"), py::kw_only(), py::arg("n_queries") = PeakScoring{}.n_queries,
              py::arg("contrast") = PeakScoring{}.contrast, py::arg("spread") = PeakScoring{}.spread,
              py::arg("n_layers") = 0, py::arg("n_threads") = 0, py::arg("carry") = PeakScoring{}.carry,
+             py::arg("windows") = PeakScoring{}.windows,
              "The qk policy's peak scores of chunks [0, n_chunks) (scoring.h): per token the attention of the last "
              "n_queries captured queries over the first n_layers paged layers (0: all), minus the baseline of the "
-             "n_queries ending `contrast` tokens earlier, spread (and carry), then each chunk's peak token.")
+             "n_queries ending `contrast` tokens earlier, spread (and carry), then each chunk's peak token; windows > 1: "
+             "that many windows of n_queries, a chunk ranked by its best rank in any (scoring.h).")
         .def_property_readonly("n_captured", [](PyRuntime &r) { return r.rt->n_captured(); },
                                "How many queries are captured now (the last ones evaluated, up to capture_queries).")
         .def("captured_queries", [](PyRuntime &r) {

@@ -73,9 +73,10 @@ QkScoring qk_settings(const py::dict &qk) {
         else if (k == "spread") q.spread = v;
         else if (k == "n_layers") q.n_layers = v;
         else if (k == "carry") q.carry = v;
+        else if (k == "windows") q.windows = v;
         else if (k == "smooth_width") q.smooth_width = v;
         else throw std::invalid_argument("qk settings are mode, aggregate, n_queries, contrast, spread, n_layers, carry, "
-                                         "smooth_width; got '" + k + "'");
+                                         "windows, smooth_width; got '" + k + "'");
     }
     q.validate();
     return q;
@@ -114,7 +115,7 @@ void bind_session(RuntimeClass &cls) {
              py::arg("allow_long_ctx") = py::none(), py::arg("seed_given") = py::none(), py::arg("prefill_rescore") = 0,
              py::arg("prefill_reread") = false, py::arg("exact_prefill_until") = 0,
              "The session's scorer ('none': lru; 'qk': qk and its variants scored in the core with the qk settings "
-             "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, smooth_width); "
+             "(mode, aggregate, n_queries, contrast, spread, n_layers (-1 auto, 0 all), carry, windows, smooth_width); "
              "'drafter': the _core.Drafter given as drafter; 'external': the callable given to set_scorer), its "
              "rescore schedule and exact mode (exact_prefill_until: where exact prefill stops, 0: no cap); prefill_reread: a prompt's settle reads the resident chunks its pooled "
              "pieces wrote again in place with exact attention (Session::reread_resident); reread_capture: "

@@ -128,6 +128,7 @@ PYBIND11_MODULE(_core, m) {
         d["contrast"] = qk.contrast;
         d["spread"] = qk.spread;
         d["carry"] = qk.carry;
+        d["windows"] = qk.windows;
         m.attr("QK_PEAK_DEFAULTS") = d;
     }
     m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,

@@ -49,7 +49,7 @@
 extern "C" {
 #endif
 
-#define KVFLASH_API_VERSION 14
+#define KVFLASH_API_VERSION 15
 
 typedef struct kvflash_model kvflash_model;
 typedef struct kvflash_session kvflash_session;
@@ -124,6 +124,11 @@ struct kvflash_params {
     int32_t prefill_reread;     /* 1: a scored session whose prompt outgrew the pool reads the chunks its settle
                                    chose again in place with exact attention over the whole context (CPU
                                    backend; 0: off, the default; ignored with exact_prefill) */
+    /* -- since API version 15 -- */
+    int32_t qk_windows;         /* qk "peak": the last qk_windows * qk_queries queries score as that many windows
+                                   of qk_queries, each against its own contrast; a chunk ranks by its best rank
+                                   in any window, so a prompt ending in format tokens still scores with the
+                                   question's queries (1 .. 16; the default is the core's: see README) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

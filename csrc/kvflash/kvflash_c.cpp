@@ -177,6 +177,7 @@ kvflash_params kvflash_default_params(void) {
     p.qk_spread = qk.spread;
     p.qk_layers = -1;
     p.qk_carry = qk.carry;
+    p.qk_windows = qk.windows;
     p.qk_aggregate = "peak";
     p.qk_smooth_width = 5;
     p.drafter = nullptr;
@@ -276,6 +277,8 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
             throw std::invalid_argument("params.qk_spread must be in [0, 256], got " + std::to_string(p.qk_spread));
         if (p.qk_carry < 0 || p.qk_carry > 256)
             throw std::invalid_argument("params.qk_carry must be in [0, 256], got " + std::to_string(p.qk_carry));
+        if (p.qk_windows < 1 || p.qk_windows > 16)
+            throw std::invalid_argument("params.qk_windows must be in [1, 16], got " + std::to_string(p.qk_windows));
         if (p.qk_layers < -1)
             throw std::invalid_argument("params.qk_layers must be -1 (auto), 0 (all) or a layer count, got " +
                                         std::to_string(p.qk_layers));
@@ -333,6 +336,7 @@ kvflash_session *kvflash_session_new(kvflash_model *model, const kvflash_params 
                     sc.qk.contrast = p.qk_contrast;
                     sc.qk.spread = p.qk_spread;
                     sc.qk.carry = p.qk_carry;
+                    sc.qk.windows = p.qk_windows;
                 }
             } else {   // the summary modes score the last query alone
                 sc.qk = kvflash::QkScoring::defaults(policy.substr(3));

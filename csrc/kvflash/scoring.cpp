@@ -669,25 +669,60 @@ void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_
         out[c] = float(best[size_t(c)] != ninf ? best[size_t(c)] : (lo == -ninf ? 0.0 : lo - 1.0));
 }
 
+namespace {
+
+// One window's peak scores: the n_queries captured queries from `first`, minus the n_queries ending `contrast`
+// tokens earlier when that many are captured, chunk_peaks.
+void peak_window(const Runtime &rt, const PeakScoring &p, int32_t first, const std::vector<int32_t> &chunk_of,
+                 int32_t n_chunks, int32_t n_threads, float *out) {
+    const int64_t n = rt.n_past();
+    const int32_t count = std::min(p.n_queries, rt.n_captured() - first);
+    std::vector<float> tok(static_cast<size_t>(n));
+    history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, count, p.n_layers);
+    std::vector<double> x(tok.begin(), tok.end());
+    const int32_t b0 = first - p.contrast;
+    if (p.contrast > 0 && b0 >= 0 && count == p.n_queries) {   // the baseline: the queries ending `contrast` earlier
+        history_attention(rt, tok.data(), n, n_threads, false, nullptr, b0, p.n_queries, p.n_layers);
+        for (int64_t i = 0; i < n; ++i) x[size_t(i)] -= tok[size_t(i)];
+    }
+    chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, out, p.carry);
+}
+
+}  // namespace
+
 void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads) {
-    if (p.n_queries < 1 || p.contrast < 0 || p.spread < 0 || p.n_layers < 0 || p.carry < 0)
-        throw std::invalid_argument("qk peak scoring: n_queries >= 1, contrast, spread, n_layers, carry >= 0");
+    if (p.n_queries < 1 || p.contrast < 0 || p.spread < 0 || p.n_layers < 0 || p.carry < 0 || p.windows < 1)
+        throw std::invalid_argument("qk peak scoring: n_queries, windows >= 1; contrast, spread, n_layers, carry >= 0");
     const int32_t n_cap = rt.n_captured();
     const int64_t n = rt.n_past(), C = rt.config().chunk_tokens;
     if (n_chunks < 0 || n_chunks > (n + C - 1) / C)
         throw std::invalid_argument("qk peak scoring: n_chunks " + std::to_string(n_chunks) + " exceeds the history's");
-    std::vector<float> tok(static_cast<size_t>(n));
-    const int32_t first = std::max(0, n_cap - p.n_queries);
-    history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, n_cap - first, p.n_layers);
-    std::vector<double> x(tok.begin(), tok.end());
-    const int32_t b0 = n_cap - p.n_queries - p.contrast;
-    if (p.contrast > 0 && b0 >= 0) {   // the baseline: the queries ending `contrast` tokens earlier
-        history_attention(rt, tok.data(), n, n_threads, false, nullptr, b0, p.n_queries, p.n_layers);
-        for (int64_t i = 0; i < n; ++i) x[size_t(i)] -= tok[size_t(i)];
-    }
     std::vector<int32_t> chunk_of(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) chunk_of[size_t(i)] = i / C < n_chunks ? int32_t(i / C) : -1;
-    chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, out, p.carry);
+    // the windows whose queries and baseline are all captured (at least the latest, as one window scores)
+    int32_t w_n = 1;
+    while (w_n < p.windows && n_cap - p.n_queries * (w_n + 1) - p.contrast >= 0) ++w_n;
+    if (w_n == 1) {
+        peak_window(rt, p, std::max(0, n_cap - p.n_queries), chunk_of, n_chunks, n_threads, out);
+        return;
+    }
+    // each window's ranks (best score first, ties in chunk order); a chunk its best rank, then its mean rank
+    const size_t nc = static_cast<size_t>(n_chunks);
+    std::vector<int32_t> best(nc, n_chunks), order(nc);
+    std::vector<double> sum(nc, 0.0);
+    std::vector<float> sc(nc);
+    for (int32_t w = 0; w < w_n; ++w) {
+        peak_window(rt, p, n_cap - p.n_queries * (w + 1), chunk_of, n_chunks, n_threads, sc.data());
+        for (int32_t c = 0; c < n_chunks; ++c) order[size_t(c)] = c;
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[size_t(a)] > sc[size_t(b)]; });
+        for (int32_t r = 0; r < n_chunks; ++r) {
+            const int32_t c = order[size_t(r)];
+            best[size_t(c)] = std::min(best[size_t(c)], r);
+            sum[size_t(c)] += r;
+        }
+    }
+    for (int32_t c = 0; c < n_chunks; ++c)
+        out[c] = float(-double(best[size_t(c)]) + 0.5 * (1.0 - sum[size_t(c)] / w_n / std::max(n_chunks, 1)));
 }
 
 }  // namespace kvflash
@@ -740,7 +775,10 @@ QkScoring QkScoring::defaults(const std::string &mode, const std::string &aggreg
     else if (agg == "token") q.aggregate = QkAggregate::Token;
     else throw std::invalid_argument("qk aggregate must be 'chunk', 'token' or 'peak', got '" + agg + "'");
     const bool peak = q.aggregate == QkAggregate::Peak && mode == "keys";
-    if (!peak) q.contrast = q.spread = q.carry = 0;
+    if (!peak) {
+        q.contrast = q.spread = q.carry = 0;
+        q.windows = 1;
+    }
     if (mode != "keys") {
         q.n_queries = 1;
         q.n_layers = 0;
@@ -762,6 +800,7 @@ PeakScoring QkScoring::peak(int32_t n_paged) const {
     p.contrast = contrast;
     p.spread = spread;
     p.carry = carry;
+    p.windows = windows;
     p.n_layers = n_layers < 0 ? qk_auto_layers(n_paged) : (n_layers == 0 || n_layers > n_paged ? n_paged : n_layers);
     return p;
 }
@@ -782,6 +821,10 @@ void QkScoring::validate() const {
             throw std::invalid_argument(std::string("qk ") + what +
                                         " works on token scores: use aggregate='peak' (mode 'keys') with it");
     }
+    if (windows < 1 || windows > 16)
+        throw std::invalid_argument("qk windows must be an integer in [1, 16], got " + std::to_string(windows));
+    if (windows > 1 && !peak)
+        throw std::invalid_argument("qk windows works on token scores: use aggregate='peak' (mode 'keys') with it");
     if (n_layers < -1)
         throw std::invalid_argument("qk layers must be 'auto' (-1), a positive layer count or every paged layer (0)");
     if (mode != "keys" && (n_layers != 0 || n_queries != 1))

@@ -31,6 +31,7 @@ Value qk_json(const QkScoring &q) {
     o.set("spread", Value::integer(q.spread));
     o.set("layers", q.n_layers < 0 ? Value::string("auto") : q.n_layers == 0 ? Value::null() : Value::integer(q.n_layers));
     o.set("carry", Value::integer(q.carry));
+    o.set("windows", Value::integer(q.windows));
     return o;
 }
 
@@ -82,6 +83,7 @@ const std::vector<Field> &qk_fields() {
         {"contrast", opt_in(0, kI32)}, {"spread", opt_in(0, kI32)},
         {"layers", [](const Value &v) { return v.is_null() || (v.is_string() && v.as_string() == "auto") || v.int_in(1, kI32); }},
         {"carry", opt_in(0, kI32)},
+        {"windows", int_in(1, 16), true},   // added with API version 15: a file from before scored one window
     };
     return f;
 }
@@ -151,6 +153,8 @@ QkScoring qk_from(const Value &q) {
     s.contrast = resolve("contrast", 32);   // a file without the field: written when 32 was the default
     s.spread = resolve("spread", 4);        // likewise: 4 was the default then (8 now)
     s.carry = resolve("carry", 16);
+    const Value *w = q.find("windows");
+    s.windows = w && !w->is_null() ? i32(*w) : 1;
     s.smooth_width = i32(*q.find("smooth_width"));
     const Value &layers = *q.find("layers");
     if (mode == "keys") {

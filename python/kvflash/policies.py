@@ -76,12 +76,13 @@ class QkScorer:
     spread: int = 0
     carry: int = 0
     layers: Union[str, int, None] = "auto"
+    windows: int = 1
 
     def core_args(self, n_paged: int) -> dict:
         """The settings as the core's ``Runtime.configure(qk=...)`` and ``qk_policy_scores`` take them."""
         return dict(mode=self.mode, aggregate=self.aggregate, n_queries=self.n_queries, smooth_width=self.smooth_width,
                     contrast=self.contrast, spread=self.spread, n_layers=qk_layers(self.layers, n_paged),
-                    carry=self.carry)
+                    carry=self.carry, windows=self.windows)
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,10 @@ class Requirements:
             raise ValueError(f"Requirements.n_capture must be an integer in [1, 4096], got {self.n_capture!r}")
         if self.native is not None and not isinstance(self.native, QkScorer):
             raise ValueError(f"Requirements.native must be a QkScorer or None, got {self.native!r}")
-        if self.native is not None and self.native.n_queries + self.native.contrast > self.n_capture:
-            raise ValueError("Requirements.native reads more queries (n_queries + contrast) than n_capture keeps")
+        if self.native is not None and (self.native.n_queries * self.native.windows + self.native.contrast >
+                                        self.n_capture):
+            raise ValueError("Requirements.native reads more queries (n_queries * windows + contrast) than n_capture "
+                             "keeps")
         if not is_int(self.extra_bytes, 0):
             raise ValueError(f"Requirements.extra_bytes must be a non-negative integer, got {self.extra_bytes!r}")
 
@@ -186,7 +189,7 @@ class ChunkView:
         return self._h().history_attention(**kw)
 
     def qk_peak_scores(self, n_chunks: Optional[int] = None, **kw) -> np.ndarray:
-        """The core's peak chunk scores (n_queries, contrast, spread, n_layers, carry)."""
+        """The core's peak chunk scores (n_queries, contrast, spread, n_layers, carry, windows)."""
         return self._h().qk_peak_scores(self.n_chunks if n_chunks is None else n_chunks, **kw)
 
     def qk_scores(self, mode: str) -> np.ndarray:

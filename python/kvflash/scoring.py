@@ -40,7 +40,12 @@ class QKPolicy(BasePolicy):
       score of the N tokens before it: the value of a fact follows its key, so the
       chunk after a key that sits near a chunk edge ranks right behind the key's
       (a passkey split by a chunk edge, or its key at the end of one chunk and its
-      digits in the next).  The runtime then captures n_queries + contrast queries.
+      digits in the next).  ``windows=W`` scores the last W * n_queries queries as W
+      windows of n_queries (the latest first), each minus its own baseline ``contrast``
+      tokens earlier, and ranks a chunk by its best rank in any window (ties: the
+      better mean rank): a prompt that ends in format tokens (a chat log's next
+      "[16:32] name: ") still scores with its question's queries a window earlier.
+      The runtime then captures n_queries * windows + contrast queries.
       The core scores it itself (``requirements.native``) unless a subclass overrides score().
       ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
@@ -64,7 +69,7 @@ class QKPolicy(BasePolicy):
 
     def __init__(self, mode: str = "keys", *, n_queries: Optional[int] = None, smooth_width: int = 5,
                  aggregate: Optional[str] = None, contrast: Optional[int] = None, spread: Optional[int] = None,
-                 layers="auto", carry: Optional[int] = None):
+                 layers="auto", carry: Optional[int] = None, windows: Optional[int] = None):
         if mode not in self.MODES:
             raise ValueError(f"qk mode must be one of {', '.join(self.MODES)}; got {mode!r}")
         defaults = _core.QK_PEAK_DEFAULTS   # the core's PeakScoring (scoring.h): one place for the numbers
@@ -86,6 +91,12 @@ class QKPolicy(BasePolicy):
             if v and not peak:
                 raise ValueError(f"qk {what} works on token scores: use aggregate='peak' (mode 'keys') with it")
             resolved[what] = v
+        if windows is None:
+            windows = defaults["windows"] if peak else 1
+        if not isinstance(windows, int) or isinstance(windows, bool) or not 1 <= windows <= 16:
+            raise ValueError(f"qk windows must be an integer in [1, 16], got {windows!r}")
+        if windows > 1 and not peak:
+            raise ValueError("qk windows works on token scores: use aggregate='peak' (mode 'keys') with it")
         if layers is not None and layers != "auto" and (
                 not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
             raise ValueError(f"qk layers must be 'auto', a positive layer count or None (every paged layer), "
@@ -96,10 +107,11 @@ class QKPolicy(BasePolicy):
         self.layers = layers if mode == "keys" else None
         self.aggregate = aggregate
         self.contrast, self.spread, self.carry = resolved["contrast"], resolved["spread"], resolved["carry"]
+        self.windows = windows
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
-        self.n_capture = self.n_queries + self.contrast   # queries the session's runtime must keep
+        self.n_capture = self.n_queries * self.windows + self.contrast   # queries the session's runtime must keep
         self.smooth_width = smooth_width
 
     def n_layers(self, n_paged: int) -> int:
@@ -109,7 +121,7 @@ class QKPolicy(BasePolicy):
     def _scorer(self) -> QkScorer:
         return QkScorer(n_queries=self.n_queries, mode=self.mode, aggregate=self.aggregate,
                         smooth_width=self.smooth_width, contrast=self.contrast, spread=self.spread, carry=self.carry,
-                        layers=self.layers)
+                        layers=self.layers, windows=self.windows)
 
     @property
     def requirements(self) -> Requirements:
@@ -124,7 +136,7 @@ class QKPolicy(BasePolicy):
     def spec(self) -> dict:
         return dict(mode=self.mode, n_queries=self.n_queries, smooth_width=self.smooth_width,
                     aggregate=self.aggregate, contrast=self.contrast, spread=self.spread, layers=self.layers,
-                    carry=self.carry)
+                    carry=self.carry, windows=self.windows)
 
     # reset: captured queries and summaries live in the runtime and are cleared by its reset
 
@@ -351,7 +363,7 @@ _QK_SETTINGS = {"mode": lambda v: isinstance(v, str) and len(v) <= 64, "n_querie
                 "aggregate": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
                 "contrast": opt_int(0, 2**31 - 1), "spread": opt_int(0, 2**31 - 1),
                 "layers": lambda v: v is None or v == "auto" or int_in(1, 2**31 - 1)(v),
-                "carry": opt_int(0, 2**31 - 1)}
+                "carry": opt_int(0, 2**31 - 1), "windows": int_in(1, 16)}
 _DRAFTER_SETTINGS = {"n_queries": int_in(1, 4096), "smooth_width": int_in(0, 4096), "kv_type": one_of(*KV_TYPES),
                      "layers": opt_int(1, 2**31 - 1), "pool": opt_int(0, _core.MAX_CONTEXT),
                      "aggregate": one_of("max", "mean", "mass"), "contrast": opt_int(0, 2**31 - 1),
@@ -360,7 +372,9 @@ _DRAFTER_SETTINGS = {"n_queries": int_in(1, 4096), "smooth_width": int_in(0, 409
 
 def _qk(mode: str):
     def make(**settings) -> QKPolicy:
-        return QKPolicy(**{"mode": mode, **settings})   # a snapshot's settings name their mode
+        # a snapshot's settings name their mode; one from before API version 15 has no windows: it scored one
+        old = {"windows": 1} if settings and "windows" not in settings else {}
+        return QKPolicy(**{"mode": mode, **old, **settings})
     return make
 
 

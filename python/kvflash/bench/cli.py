@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else one found beside the model, else qk), lru, qk (exact keys), qk-bound, qk-mean (key "
                         "summaries)")
     p.add_argument("--policies", type=_str_list, default=None,
-                   help="policies compared (needle routine default lru,drafter,qk); qk:q16:c64:s4:k16 is qk with its "
+                   help="policies compared (needle routine default lru,drafter,qk); qk:q16:c64:s4:k16:w3 is qk with its "
                         "own settings, drafter:q16:c64:s4 the drafter with its own (ruler routine), each on the "
                         "same prefill")
     p.add_argument("--drafter", help="drafter GGUF (name or path) for the drafter policy")
@@ -336,8 +336,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     from .common import policy_variant_ok, qk_variant
     bad = [x for x in (args.policies or []) if x not in known and not policy_variant_ok(x)]
     if bad:
-        p.error(f"--policies: unknown {bad}; use {', '.join(known)} (or qk:q16:c64:s4:k16, qk with its "
-                f"n_queries, contrast, spread, carry; drafter:q16:c64:s4 in the ruler routine)")
+        p.error(f"--policies: unknown {bad}; use {', '.join(known)} (or qk:q16:c64:s4:k16:w3, qk with its "
+                f"n_queries, contrast, spread, carry, windows; drafter:q16:c64:s4 in the ruler routine)")
     if any(x.startswith("drafter:") for x in args.policies or []) and args.routine != "ruler":
         p.error("--policies: drafter:... settings are compared by the ruler routine only")
     if args.policy is not None and args.policy not in known and not (args.policy.startswith("qk:")

@@ -308,7 +308,7 @@ def model_label(model: str) -> str:
     return Path(model).stem if os.sep in model or model.endswith(".gguf") else model
 
 
-_QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry"}
+_QK_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread", "k": "carry", "w": "windows"}
 _DRAFTER_KEYS = {"q": "n_queries", "c": "contrast", "s": "spread"}
 
 
@@ -322,8 +322,8 @@ def _variant_kw(name: str, keys: dict) -> dict:
 
 
 def qk_variant(name: str, check: bool = False):
-    """A qk policy with its own settings, named ``qk:q16:c64:s4:k16`` (any of q = n_queries, c = contrast,
-    s = spread, k = carry; the rest at qk's defaults), for comparing settings in one run on one prefill.
+    """A qk policy with its own settings, named ``qk:q16:c64:s4:k16:w3`` (any of q = n_queries, c = contrast,
+    s = spread, k = carry, w = windows; the rest at qk's defaults), for comparing settings in one run on one prefill.
     check=True: True when the name parses, False otherwise."""
     from kvflash.scoring import QKPolicy
     try:
@@ -331,8 +331,8 @@ def qk_variant(name: str, check: bool = False):
     except (KeyError, ValueError, IndexError):
         if check:
             return False
-        raise ValueError(f"qk variant {name!r}: use qk:q16:c64:s4:k16 (q n_queries, c contrast, s spread, "
-                         f"k carry; integers)") from None
+        raise ValueError(f"qk variant {name!r}: use qk:q16:c64:s4:k16:w3 (q n_queries, c contrast, s spread, "
+                         f"k carry, w windows; integers)") from None
     if check:
         return True
     pol.name = name
