@@ -13,7 +13,8 @@ quarter of the paged layers (qk's auto layers), minus a baseline: `cN` the 8 que
 tokens back); then qk's peak aggregate (spread 4, carry 16). c32 is checked against the core's own scorer.
 `--shape`: instead of the baselines, the scoring's other settings at contrast 64 (the default since b29604f):
 queries (8, 16, 24), layers (auto, twice auto, all paged), spread (2-16) and carry (0-32); `q8` (the
-default until spread 8 replaced spread 4; `q8 s8` is the default now) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts).
+default until spread 8 replaced spread 4; `q8 s8` is the default now) is checked against the core's scorer. `--trial N`: the ruler bench's trial N (other prompts). `--windows`: the core's scorer at qk's defaults with 1-4
+query windows (`w1` = one window).
 For each needle: the worst rank of its chunks among the unprotected ones (rank_of); a trial is kept under a
 variant when every needle ranks below the free slots. --analyse prints kept counts per task and variant, and
 the ranks summed (each capped at 50).
@@ -109,14 +110,17 @@ def run(a) -> int:
                 n_chunks = len(s.last_scores)
                 table = s.pager.chunk_table()
                 prot = table["protected"][:n_chunks]
-                if shapes:
+                if a.windows:   # the core's own scorer at qk's defaults, one to four query windows
+                    scores = {f"w{w}": s.runtime.qk_peak_scores(n_chunks, n_layers=n_layers, windows=w)
+                              for w in (1, 2, 3, 4)}
+                elif shapes:
                     scores = shape_scores(s.runtime, n_chunks, s.chunk_tokens, shapes)
                     core, mine = s.runtime.qk_peak_scores(n_chunks, n_layers=n_layers, spread=4), "q8"   # spread 4: the old default
                 else:
                     scores = variant_scores(s.runtime, n_chunks, s.chunk_tokens, n_layers)
                     core, mine = s.runtime.qk_peak_scores(n_chunks, n_queries=N_QUERIES, contrast=32, spread=4,
                                                           n_layers=n_layers), "c32"
-                if not np.allclose(core, scores[mine], rtol=1e-4, atol=1e-6):
+                if not a.windows and not np.allclose(core, scores[mine], rtol=1e-4, atol=1e-6):
                     raise SystemExit(f"the re-scoring differs from the core's {mine}: this tool is out of date")
                 free = int(s.pager.n_blocks - np.count_nonzero(table["protected"] & (table["block"] >= 0)))
                 per = [passkey_chunks(s, tr.ids, x) for x in tr.needles]
@@ -164,6 +168,8 @@ def main() -> int:
     ap.add_argument("--trial", type=int, default=0, help="the ruler bench's trial index per task and haystack")
     ap.add_argument("--shape", action="store_true", help="score queries / layers / spread / carry variants at "
                                                          "contrast 64 instead of the contrast baselines")
+    ap.add_argument("--windows", action="store_true", help="score with qk's defaults and 1-4 query windows "
+                                                           "(QKPolicy(windows=W)), by the core")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="trials are appended to this JSONL file")
     a = ap.parse_args()

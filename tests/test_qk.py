@@ -224,47 +224,43 @@ def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
 
 
 def test_qk_windows_rank_a_chunk_by_its_best_window(tiny):
-    # windows=3: the last 24 captured queries score as three windows of 8 (each minus its own baseline 24 tokens
-    # earlier); a chunk's score is -(its best rank in any window) + (1 - mean rank / n_chunks) / 2
+    # windows=3: the last 24 captured queries score as three windows of 8, each minus the one baseline (the 8
+    # ending 24 tokens before the latest); a chunk's score is -(its best rank in any window) + (1 - mean rank /
+    # n_chunks) / 2
     toks = _tokens(64 * 9 + 5, 35).tolist()
     pol = QKPolicy(n_queries=8, contrast=24, spread=3, carry=10, windows=3)
-    assert pol.n_capture == 48 and pol.spec()["windows"] == 3
+    assert pol.n_capture == 32 and pol.spec()["windows"] == 3
+    assert QKPolicy(n_queries=8, contrast=8, windows=4).n_capture == 32   # the windows reach further back
     s = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=pol, threads=1, verbose=False)
     s.prefill(toks)
     r, v = s.runtime, s.chunk_view()
-    assert s.pager.stats["host_chunks"] > 0 and r.n_captured == 48
+    assert s.pager.stats["host_chunks"] > 0 and r.n_captured == 32
     n_chunks = v.n_chunks
     chunk_of = (np.arange(len(toks)) // 64).astype(np.int32)
-    ranks = []
+    base = r.history_attention(q_first=0, q_count=8).astype(np.float64)
+    ranks, peaks = [], []
     for w in range(3):
-        first = 48 - 8 * (w + 1)
-        x = (r.history_attention(q_first=first, q_count=8).astype(np.float64) -
-             r.history_attention(q_first=first - 24, q_count=8).astype(np.float64))
+        x = r.history_attention(q_first=32 - 8 * (w + 1), q_count=8).astype(np.float64) - base
         sc = _core.chunk_peaks(x, chunk_of, n_chunks, 3, 10)
         order = np.argsort(-sc, kind="stable")
         rank = np.empty(n_chunks, dtype=np.int64)
         rank[order] = np.arange(n_chunks)
         ranks.append(rank)
+        peaks.append(sc)
     ranks = np.array(ranks)
     want = -ranks.min(axis=0) + 0.5 * (1 - ranks.mean(axis=0) / n_chunks)
     got = pol.score(v)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert np.argsort(-got, kind="stable")[0] in set(np.where(ranks.min(axis=0) == 0)[0])
-    # the core's own call and one window: windows=1 is the single-window peak score
-    np.testing.assert_allclose(r.qk_peak_scores(n_chunks, contrast=24, spread=3, carry=10, n_layers=v.n_paged_layers,
-                                                windows=3), got, rtol=1e-6)
-    one = QKPolicy(n_queries=8, contrast=24, spread=3, carry=10, windows=1).score(v)
-    np.testing.assert_allclose(one, _core.chunk_peaks(
-        r.history_attention(q_first=40, q_count=8).astype(np.float64) -
-        r.history_attention(q_first=16, q_count=8).astype(np.float64), chunk_of, n_chunks, 3, 10), rtol=1e-6)
-    # fewer queries captured than three windows and their baselines need: the windows that fit (here one)
-    short = kvflash.Session(tiny, max_ctx=4096, kvflash=512, policy=QKPolicy(n_queries=8, contrast=24, spread=3,
-                            carry=10, windows=1), threads=1, verbose=False)
-    short.prefill(toks)
-    assert short.runtime.n_captured == 32
     kw = dict(contrast=24, spread=3, carry=10, n_layers=v.n_paged_layers)
-    np.testing.assert_array_equal(short.runtime.qk_peak_scores(n_chunks, windows=3, **kw),
-                                  short.runtime.qk_peak_scores(n_chunks, windows=1, **kw))
+    np.testing.assert_allclose(r.qk_peak_scores(n_chunks, windows=3, **kw), got, rtol=1e-6)
+    # one window: the single-window peak score, the latest window's
+    np.testing.assert_allclose(QKPolicy(n_queries=8, contrast=24, spread=3, carry=10, windows=1).score(v), peaks[0],
+                               rtol=1e-6)
+    # more windows than the captured queries hold: those that fit (four of 8 in 32)
+    assert not np.array_equal(r.qk_peak_scores(n_chunks, windows=5, **kw), got)
+    np.testing.assert_array_equal(r.qk_peak_scores(n_chunks, windows=5, **kw), r.qk_peak_scores(n_chunks, windows=4,
+                                                                                                 **kw))
     for bad in (0, 17, True, 2.0):
         with pytest.raises(ValueError, match="windows"):
             QKPolicy(windows=bad)

@@ -669,27 +669,6 @@ void chunk_peaks(const double *x, int64_t n, const int32_t *chunk_of, int32_t n_
         out[c] = float(best[size_t(c)] != ninf ? best[size_t(c)] : (lo == -ninf ? 0.0 : lo - 1.0));
 }
 
-namespace {
-
-// One window's peak scores: the n_queries captured queries from `first`, minus the n_queries ending `contrast`
-// tokens earlier when that many are captured, chunk_peaks.
-void peak_window(const Runtime &rt, const PeakScoring &p, int32_t first, const std::vector<int32_t> &chunk_of,
-                 int32_t n_chunks, int32_t n_threads, float *out) {
-    const int64_t n = rt.n_past();
-    const int32_t count = std::min(p.n_queries, rt.n_captured() - first);
-    std::vector<float> tok(static_cast<size_t>(n));
-    history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, count, p.n_layers);
-    std::vector<double> x(tok.begin(), tok.end());
-    const int32_t b0 = first - p.contrast;
-    if (p.contrast > 0 && b0 >= 0 && count == p.n_queries) {   // the baseline: the queries ending `contrast` earlier
-        history_attention(rt, tok.data(), n, n_threads, false, nullptr, b0, p.n_queries, p.n_layers);
-        for (int64_t i = 0; i < n; ++i) x[size_t(i)] -= tok[size_t(i)];
-    }
-    chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, out, p.carry);
-}
-
-}  // namespace
-
 void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads) {
     if (p.n_queries < 1 || p.contrast < 0 || p.spread < 0 || p.n_layers < 0 || p.carry < 0 || p.windows < 1)
         throw std::invalid_argument("qk peak scoring: n_queries, windows >= 1; contrast, spread, n_layers, carry >= 0");
@@ -699,11 +678,25 @@ void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t
         throw std::invalid_argument("qk peak scoring: n_chunks " + std::to_string(n_chunks) + " exceeds the history's");
     std::vector<int32_t> chunk_of(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) chunk_of[size_t(i)] = i / C < n_chunks ? int32_t(i / C) : -1;
-    // the windows whose queries and baseline are all captured (at least the latest, as one window scores)
-    int32_t w_n = 1;
-    while (w_n < p.windows && n_cap - p.n_queries * (w_n + 1) - p.contrast >= 0) ++w_n;
+    std::vector<float> tok(static_cast<size_t>(n));
+    // the baseline: the n_queries ending `contrast` tokens before the latest (when that many are captured)
+    const int32_t b0 = n_cap - p.n_queries - p.contrast;
+    std::vector<float> base;
+    if (p.contrast > 0 && b0 >= 0) {
+        base.resize(static_cast<size_t>(n));
+        history_attention(rt, base.data(), n, n_threads, false, nullptr, b0, p.n_queries, p.n_layers);
+    }
+    std::vector<double> x(static_cast<size_t>(n));
+    auto window = [&](int32_t first, int32_t count, float *dst) {   // its queries minus the baseline, chunk_peaks
+        history_attention(rt, tok.data(), n, n_threads, false, nullptr, first, count, p.n_layers);
+        for (int64_t i = 0; i < n; ++i) x[size_t(i)] = double(tok[size_t(i)]) - (base.empty() ? 0.0 : double(base[size_t(i)]));
+        chunk_peaks(x.data(), n, chunk_of.data(), n_chunks, p.spread, dst, p.carry);
+    };
+    // the windows whose queries are all captured, once the baseline is (else the latest alone, as one window)
+    const int32_t w_n = base.empty() && p.contrast > 0 ? 1 : std::max(1, std::min(p.windows, n_cap / p.n_queries));
     if (w_n == 1) {
-        peak_window(rt, p, std::max(0, n_cap - p.n_queries), chunk_of, n_chunks, n_threads, out);
+        const int32_t first = std::max(0, n_cap - p.n_queries);
+        window(first, n_cap - first, out);
         return;
     }
     // each window's ranks (best score first, ties in chunk order); a chunk its best rank, then its mean rank
@@ -712,7 +705,7 @@ void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t
     std::vector<double> sum(nc, 0.0);
     std::vector<float> sc(nc);
     for (int32_t w = 0; w < w_n; ++w) {
-        peak_window(rt, p, n_cap - p.n_queries * (w + 1), chunk_of, n_chunks, n_threads, sc.data());
+        window(n_cap - p.n_queries * (w + 1), p.n_queries, sc.data());
         for (int32_t c = 0; c < n_chunks; ++c) order[size_t(c)] = c;
         std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[size_t(a)] > sc[size_t(b)]; });
         for (int32_t r = 0; r < n_chunks; ++r) {

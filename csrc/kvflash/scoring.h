@@ -111,9 +111,10 @@ struct PeakScoring {
     int32_t n_layers = 0;    // the first n_layers paged layers only (0: all)
     int32_t carry = 16;      // chunk_peaks' carry (0: none beyond spread); 16 chosen on the tuning splits
     // query windows: the last windows * n_queries captured queries score as `windows` windows of n_queries
-    // (the latest first), each minus its own baseline `contrast` tokens earlier; a chunk takes its best rank in
-    // any window (ties: the better mean rank).  A prompt that ends in format tokens (a chat log's next
-    // "[16:32] name: ") then still scores with the question's queries a window earlier.  1: one window.
+    // (the latest first), each minus the one baseline (the n_queries ending `contrast` tokens before the latest);
+    // a chunk takes its best rank in any window (ties: the better mean rank).  A prompt that ends in format
+    // tokens (a chat log's next "[16:32] name: ") then still scores with the question's queries a window
+    // earlier.  1: one window.
     int32_t windows = 1;
 };
 
@@ -126,14 +127,16 @@ inline int32_t qk_auto_layers(int32_t n_paged) {
 }
 
 // Minimum captured queries PeakScoring needs for its contrast to apply.
-inline int32_t peak_capture(const PeakScoring &p) { return p.n_queries * p.windows + p.contrast; }
+inline int32_t peak_capture(const PeakScoring &p) {
+    return p.n_queries * p.windows > p.n_queries + p.contrast ? p.n_queries * p.windows : p.n_queries + p.contrast;
+}
 
 // out: [n_chunks] chunk scores of the runtime's history (positions [0, n_past)): per token the
 // attention the last n_queries captured queries pay it (history_attention: paged-out keys
 // included), minus the baseline's when contrast > 0 and enough queries are captured, then
-// chunk_peaks with chunk = position / chunk_tokens.  With windows > 1 (and the queries for two
-// windows and their baselines captured), each window scores so and a chunk's score is
-// -(its best rank in any window) + (1 - its mean rank / n_chunks) / 2: only the order is meant.
+// chunk_peaks with chunk = position / chunk_tokens.  With windows > 1 (and the baseline and two
+// windows captured), each window of n_queries scores so against the one baseline and a chunk's score
+// is -(its best rank in any window) + (1 - its mean rank / n_chunks) / 2: only the order is meant.
 // Throws std::invalid_argument on bad params.
 void qk_peak_scores(const Runtime &rt, const PeakScoring &p, float *out, int32_t n_chunks, int32_t n_threads);
 
@@ -161,8 +164,8 @@ struct QkScoring {
     std::string name() const { return mode == "keys" ? "qk" : "qk-" + mode; }
     const char *aggregate_name() const;
     bool summaries() const { return mode != "keys"; }
-    // The captured queries the runtime must keep (peak: n_queries * windows + contrast).
-    int32_t capture() const { return mode == "keys" ? n_queries * windows + contrast : 1; }
+    // The captured queries the runtime must keep (peak: n_queries + contrast, or n_queries * windows if more).
+    int32_t capture() const { return mode == "keys" ? peak_capture(PeakScoring{n_queries, contrast, 0, 0, 0, windows}) : 1; }
     PeakScoring peak(int32_t n_paged) const;   // n_layers resolved for n_paged layers
     // std::invalid_argument with QKPolicy's messages ("qk contrast works on token scores: ...").
     void validate() const;

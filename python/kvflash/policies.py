@@ -101,10 +101,10 @@ class Requirements:
             raise ValueError(f"Requirements.n_capture must be an integer in [1, 4096], got {self.n_capture!r}")
         if self.native is not None and not isinstance(self.native, QkScorer):
             raise ValueError(f"Requirements.native must be a QkScorer or None, got {self.native!r}")
-        if self.native is not None and (self.native.n_queries * self.native.windows + self.native.contrast >
-                                        self.n_capture):
-            raise ValueError("Requirements.native reads more queries (n_queries * windows + contrast) than n_capture "
-                             "keeps")
+        nat = self.native
+        if nat is not None and max(nat.n_queries + nat.contrast, nat.n_queries * nat.windows) > self.n_capture:
+            raise ValueError("Requirements.native reads more queries (n_queries + contrast, or n_queries * windows) "
+                             "than n_capture keeps")
         if not is_int(self.extra_bytes, 0):
             raise ValueError(f"Requirements.extra_bytes must be a non-negative integer, got {self.extra_bytes!r}")
 

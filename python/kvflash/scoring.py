@@ -41,11 +41,11 @@ class QKPolicy(BasePolicy):
       chunk after a key that sits near a chunk edge ranks right behind the key's
       (a passkey split by a chunk edge, or its key at the end of one chunk and its
       digits in the next).  ``windows=W`` scores the last W * n_queries queries as W
-      windows of n_queries (the latest first), each minus its own baseline ``contrast``
-      tokens earlier, and ranks a chunk by its best rank in any window (ties: the
-      better mean rank): a prompt that ends in format tokens (a chat log's next
-      "[16:32] name: ") still scores with its question's queries a window earlier.
-      The runtime then captures n_queries * windows + contrast queries.
+      windows of n_queries (the latest first), each minus the one baseline, and ranks
+      a chunk by its best rank in any window (ties: the better mean rank): a prompt
+      that ends in format tokens (a chat log's next "[16:32] name: ") still scores
+      with its question's queries a window earlier.  The runtime then captures
+      n_queries + contrast queries (n_queries * windows if that is more).
       The core scores it itself (``requirements.native``) unless a subclass overrides score().
       ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
@@ -111,7 +111,8 @@ class QKPolicy(BasePolicy):
         self.name = "qk" if mode == "keys" else f"qk-{mode}"
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
-        self.n_capture = self.n_queries * self.windows + self.contrast   # queries the session's runtime must keep
+        # queries the session's runtime must keep: the baseline's and the latest, or every window's if more
+        self.n_capture = max(self.n_queries + self.contrast, self.n_queries * self.windows)
         self.smooth_width = smooth_width
 
     def n_layers(self, n_paged: int) -> int:
