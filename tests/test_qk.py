@@ -200,7 +200,7 @@ def test_qk_peak_contrast_spread_scores_from_the_targets_own_queries(tiny):
         tok = np.maximum(spread, carried)
         return np.array([tok[c * 64: (c + 1) * 64].max() for c in range(-(-len(toks) // 64))])
 
-    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3, carry=10)
+    pol = QKPolicy(aggregate="peak", n_queries=8, contrast=24, spread=3, carry=10, windows=1)
     assert pol.n_capture == 32
     whole = kvflash.Session(tiny, max_ctx=4096, kvflash=4096, policy=pol, threads=1, verbose=False)
     whole.prefill(toks)
@@ -309,12 +309,12 @@ def test_chunk_peaks_carry_ranks_the_value_chunk_right_behind_its_key():
 
 def test_qk_defaults_are_peak_scoring_over_early_layers():
     p = QKPolicy()
-    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.carry, p.layers, p.n_capture) == (
-        "peak", 8, 64, 8, 16, "auto", 72)
+    assert (p.aggregate, p.n_queries, p.contrast, p.spread, p.carry, p.windows, p.layers, p.n_capture) == (
+        "peak", 8, 64, 8, 16, 3, "auto", 72)
     assert [p.n_layers(n) for n in (3, 8, 30, 64)] == [3, 8, 8, 16]
     assert QKPolicy(layers=None).n_layers(30) == 0 and QKPolicy(layers=12).n_layers(6) == 6
     c = QKPolicy(aggregate="chunk")
-    assert (c.contrast, c.spread, c.n_capture) == (0, 0, 8)
+    assert (c.contrast, c.spread, c.windows, c.n_capture) == (0, 0, 1, 8)
     assert QKPolicy("bound").aggregate == "chunk" and QKPolicy("bound").contrast == 0
 
 

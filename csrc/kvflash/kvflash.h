@@ -128,7 +128,7 @@ struct kvflash_params {
     int32_t qk_windows;         /* qk "peak": the last qk_windows * qk_queries queries score as that many windows
                                    of qk_queries, each against its own contrast; a chunk ranks by its best rank
                                    in any window, so a prompt ending in format tokens still scores with the
-                                   question's queries (1 .. 16; the default is the core's: see README) */
+                                   question's queries (1 .. 16; 3, the default, reads the last 24 queries) */
 };
 
 /* Sampling: temperature <= 0 is greedy (argmax, lowest id on ties); otherwise

@@ -114,8 +114,9 @@ struct PeakScoring {
     // (the latest first), each minus the one baseline (the n_queries ending `contrast` tokens before the latest);
     // a chunk takes its best rank in any window (ties: the better mean rank).  A prompt that ends in format
     // tokens (a chat log's next "[16:32] name: ") then still scores with the question's queries a window
-    // earlier.  1: one window.
-    int32_t windows = 1;
+    // earlier.  1: one window.  3: on SmolLM2's tuning split it kept 30 + 27 of 60 chat / raw-ask needles (one
+    // window 25 + 25) and Gemma-3's multi-query needles as one window did (bench/results/tuning/qk-windows-*)
+    int32_t windows = 3;
 };
 
 // The qk policy's default layer count: a quarter of the paged layers but at least 8 (all when

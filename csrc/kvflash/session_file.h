@@ -9,7 +9,8 @@
 //           given), allow_long_ctx, exact, exact_draft (null: adaptive), exact_prefill,
 //           exact_prefill_until (0: no cap)
 //   policy  {"name": "lru"} | {"name": "qk" | "qk-bound" | "qk-mean", "qk": {mode, n_queries,
-//           smooth_width, aggregate, contrast, spread, layers, carry}} | {"name": "drafter",
+//           smooth_width, aggregate, contrast, spread, layers, carry, windows (since API version 15; absent: 1)}} |
+//           {"name": "drafter",
 //           "drafter": {n_queries, smooth_width, kv_type, layers, pool, aggregate, contrast, spread}}
 //           | {"name": NAME, "custom": true or {settings of a registered policy}}
 //   state   since_rescore, rescores, last_scores (null or one number per chunk, at most)

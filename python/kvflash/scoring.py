@@ -49,7 +49,7 @@ class QKPolicy(BasePolicy):
       The core scores it itself (``requirements.native``) unless a subclass overrides score().
       ``layers="auto"`` reads a quarter of the paged layers but at least 8 (all when there are fewer):
       later layers' spikes drown the retrieval signal of the early ones.
-      Defaults (8 queries, contrast 64, spread 8, carry 16, auto layers) chosen on
+      Defaults (8 queries, contrast 64, spread 8, carry 16, 3 windows, auto layers) chosen on
       the tuning splits (bench/drafter_rank.py --policy qk, bench/qk_contrast.py; bench/results README).
     - ``"chunk"``: per layer and head the attention mass a chunk's positions
       receive, max over heads and layers (``aggregate="chunk", layers=None`` is
