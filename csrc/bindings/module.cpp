@@ -131,6 +131,11 @@ PYBIND11_MODULE(_core, m) {
         d["windows"] = qk.windows;
         m.attr("QK_PEAK_DEFAULTS") = d;
     }
+    m.def("qk_peak_capture", [](int64_t n_queries, int64_t contrast, int64_t windows) {
+              return peak_capture(n_queries, contrast, windows);
+          }, py::arg("n_queries"), py::arg("contrast"), py::arg("windows"),
+          "The captured queries peak scoring reads (scoring.h peak_capture): n_queries + contrast, or "
+          "n_queries * windows if more.");
     m.def("chunk_peaks", [](py::array_t<double, py::array::c_style | py::array::forcecast> x,
                             py::array_t<int32_t, py::array::c_style | py::array::forcecast> chunk_of, int32_t n_chunks,
                             int32_t spread, int32_t carry) {

@@ -127,9 +127,10 @@ inline int32_t qk_auto_layers(int32_t n_paged) {
     return n_paged < 8 ? n_paged : (q > 8 ? q : 8);
 }
 
-// Minimum captured queries PeakScoring needs for its contrast to apply.
-inline int32_t peak_capture(const PeakScoring &p) {
-    return p.n_queries * p.windows > p.n_queries + p.contrast ? p.n_queries * p.windows : p.n_queries + p.contrast;
+// The captured queries peak scoring reads: the latest n_queries and the baseline's (n_queries + contrast), or
+// every window's (n_queries * windows) if more.
+inline int64_t peak_capture(int64_t n_queries, int64_t contrast, int64_t windows) {
+    return n_queries * windows > n_queries + contrast ? n_queries * windows : n_queries + contrast;
 }
 
 // out: [n_chunks] chunk scores of the runtime's history (positions [0, n_past)): per token the
@@ -166,7 +167,7 @@ struct QkScoring {
     const char *aggregate_name() const;
     bool summaries() const { return mode != "keys"; }
     // The captured queries the runtime must keep (peak: n_queries + contrast, or n_queries * windows if more).
-    int32_t capture() const { return mode == "keys" ? peak_capture(PeakScoring{n_queries, contrast, 0, 0, 0, windows}) : 1; }
+    int32_t capture() const { return mode == "keys" ? static_cast<int32_t>(peak_capture(n_queries, contrast, windows)) : 1; }
     PeakScoring peak(int32_t n_paged) const;   // n_layers resolved for n_paged layers
     // std::invalid_argument with QKPolicy's messages ("qk contrast works on token scores: ...").
     void validate() const;

@@ -102,7 +102,7 @@ class Requirements:
         if self.native is not None and not isinstance(self.native, QkScorer):
             raise ValueError(f"Requirements.native must be a QkScorer or None, got {self.native!r}")
         nat = self.native
-        if nat is not None and max(nat.n_queries + nat.contrast, nat.n_queries * nat.windows) > self.n_capture:
+        if nat is not None and _core.qk_peak_capture(nat.n_queries, nat.contrast, nat.windows) > self.n_capture:
             raise ValueError("Requirements.native reads more queries (n_queries + contrast, or n_queries * windows) "
                              "than n_capture keeps")
         if not is_int(self.extra_bytes, 0):

@@ -112,7 +112,7 @@ class QKPolicy(BasePolicy):
         self.needs_chunk_summaries = mode != "keys"
         self.n_queries = n_queries if mode == "keys" else 1
         # queries the session's runtime must keep: the baseline's and the latest, or every window's if more
-        self.n_capture = max(self.n_queries + self.contrast, self.n_queries * self.windows)
+        self.n_capture = _core.qk_peak_capture(self.n_queries, self.contrast, self.windows)
         self.smooth_width = smooth_width
 
     def n_layers(self, n_paged: int) -> int:
