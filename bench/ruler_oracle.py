@@ -28,6 +28,7 @@ import tempfile
 import numpy as np
 
 from kvflash.bench.common import BenchConfig, open_session
+from kvflash.bench.routines._shared import passkey_chunks
 from kvflash.bench.routines.ruler import _answer
 from kvflash.bench.ruler import RulerBuilder, score
 from kvflash.policies import LRUPolicy, Requirements
@@ -59,17 +60,6 @@ class Forced:
         return x
 
 
-def _chunks_of(s, ids: list, text: str, ct: int) -> list:
-    """The chunks (of ct tokens) holding `text`'s first occurrence in the prompt ([] when absent)."""
-    data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
-    off = data.find(text.encode())
-    if off < 0:
-        return []
-    a = int(np.searchsorted(ends, off, side="right")) // ct
-    b = int(np.searchsorted(ends, off + len(text.encode()) - 1, side="right")) // ct
-    return list(range(a, b + 1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
@@ -89,31 +79,32 @@ def main() -> None:
                       prefill_piece=a.prefill_piece, exact_prefill=not a.pooled_prefill)
     D, ct = a.context, a.chunk_tokens
     full = open_session(cfg, max_ctx=D, pool=None)
-    tr = RulerBuilder(full, cfg.seed, split=cfg.split).trial(a.task, a.haystack, a.trial, D - cfg.answer_tokens)
+    builder = RulerBuilder(full, cfg.seed, split=cfg.split)
+    tr = builder.trial(a.task, a.haystack, a.trial, D - cfg.answer_tokens)
     ids = tr.ids
-    needles = [_chunks_of(full, ids, x, ct) for x in tr.needles]
-    w = RulerBuilder(full, cfg.seed, split=cfg.split).w
-    intro_end = _chunks_of(full, ids, w["intro"], ct)
-    q_at = None
-    data, ends = full.tokenizer.bytes_of(ids, skip_special=True)
-    qoff = data.rfind(b"\n\n")   # the question follows the document's last blank line
-    if qoff >= 0:
-        q_at = int(np.searchsorted(ends, qoff, side="right")) // ct
-    n_chunks = (len(ids) + ct - 1) // ct
-    print(f"trial {a.task}:{a.haystack}:{a.trial} at {D}: {len(ids)} tokens ({n_chunks} chunks of {ct}), values "
-          f"{tr.values}, needle chunks {needles}, intro chunks 0-{intro_end[-1] if intro_end else '?'}, question "
-          f"from chunk {q_at}")
     full.reset()
     full.prefill(ids)
     ans, _ = _answer(full, tr.answer_tokens)
-    print(f"full cache: {ans!r} score {score(ans, tr.values):.2f}")
+    full_line = f"full cache: {ans!r} score {score(ans, tr.values):.2f}"
     del full
+    n_chunks = (len(ids) + ct - 1) // ct
+    needles = intro = q_at = None   # the prompt's layout in the pooled sessions' chunks (set by the first)
 
     tmp = tempfile.mkdtemp(prefix="kvflash-ruler-oracle-")
     snap = os.path.join(tmp, "prefill.kvfs")
     for r in [int(x) for x in a.residencies.split(",")]:
         qk = QKPolicy()
         s = open_session(cfg, max_ctx=D, pool=D // r, policy=qk)
+        if needles is None:
+            needles = [passkey_chunks(s, ids, x) for x in tr.needles]
+            intro = passkey_chunks(s, ids, builder.w["intro"])
+            data, ends = s.tokenizer.bytes_of(ids, skip_special=True)
+            qoff = data.rfind(b"\n\n")   # the question follows the document's last blank line
+            q_at = int(np.searchsorted(ends, qoff, side="right")) // ct if qoff >= 0 else None
+            print(f"trial {a.task}:{a.haystack}:{a.trial} at {D}: {len(ids)} tokens ({n_chunks} chunks of {ct}), "
+                  f"values {tr.values}, needle chunks {needles}, intro chunks 0-{intro[-1] if intro else '?'}, "
+                  f"question from chunk {q_at}")
+            print(full_line)
         s.policy = LRUPolicy()
         s.reset()
         s.prefill(ids)
@@ -142,8 +133,8 @@ def main() -> None:
                 elif t[0] == "n" and t[1:].isdigit():
                     k = int(t[1:])
                     forced += [c + d for cs in needles for c in cs for d in range(-k, k + 1) if 0 <= c + d < n_chunks]
-                elif t == "intro" and intro_end:
-                    forced += list(range(0, intro_end[-1] + 1))
+                elif t == "intro" and intro:
+                    forced += list(range(0, intro[-1] + 1))
                 elif t == "question" and q_at is not None:
                     forced += list(range(q_at, n_chunks))
                 elif all(p.isdigit() for p in t.split(",")):
